@@ -1,0 +1,5 @@
+import sys
+
+from llmrl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,111 @@
+"""Pure tensor functions of one RL step: log-probs, masks, means, KL, advantages.
+
+Shapes: N completions (prompt-major: the G completions of prompt 0, then of prompt 1, ...),
+L tokens per sequence (prompt left-padded + completion), so per-token quantities are [N, L-1]:
+entry t scores token t+1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+EPS_MASK = 1e-8  # keeps masked means finite for rows with no tokens
+EPS_STD = 1e-6  # keeps group z-scores finite when the spread is tiny
+LOG_RATIO_CLAMP = 20.0  # exp(±20) is finite in fp32; beyond that the estimate is meaningless anyway
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each next token.
+
+    logits [N, L, V] (position t predicts token t+1), input_ids [N, L] → [N, L-1] float32.
+    Uses cross-entropy so no [N, L, V] log-softmax is kept.
+    """
+    n, length, vocab = logits.shape
+    targets = input_ids[:, 1:]  # [N, L-1]
+    nll = F.cross_entropy(
+        logits[:, :-1].reshape(-1, vocab).float(), targets.reshape(-1), reduction="none"
+    )  # [N*(L-1)]
+    return -nll.view(n, length - 1)
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the next-token distribution at each position: logits [N, T, V] → [N, T] (float32)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [N, T, V]
+    return -(logp.exp() * logp).sum(-1)
+
+
+def completion_mask(
+    input_ids: torch.Tensor, prompt_len: int, eos_token_ids: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask of positions that score a generated token, decided by position (never by pad id).
+
+    input_ids [N, L]: left-padded prompts of width `prompt_len`, then generated tokens.
+    Returns (mask [N, L-1] float, ended [N] bool). mask[i, t] = 1 iff token t+1 was generated and is
+    at or before the first EOS of row i's completion; `ended[i]` is False when the row never produced
+    an EOS (truncated at max_new_tokens): then all its generated tokens count.
+    """
+    n, length = input_ids.shape
+    completion = input_ids[:, prompt_len:]  # [N, T]
+    t = completion.shape[1]
+    is_eos = torch.isin(completion, torch.tensor(list(eos_token_ids), device=input_ids.device))  # [N, T]
+    ended = is_eos.any(dim=1)  # [N]
+    first_eos = torch.where(ended, is_eos.int().argmax(dim=1), torch.full_like(ended, t - 1, dtype=torch.long))
+    keep = torch.arange(t, device=input_ids.device)[None, :] <= first_eos[:, None]  # [N, T]
+    mask = torch.zeros(n, length - 1, device=input_ids.device)
+    mask[:, prompt_len - 1 :] = keep.float()  # logp index prompt_len-1 scores the first generated token
+    return mask, ended
+
+
+def masked_mean_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-row mean over masked entries: x, mask [N, T] → [N]. A row with no tokens gives 0."""
+    return (x * mask).sum(1) / (mask.sum(1) + EPS_MASK)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over all masked entries of the batch: x, mask [N, T] → scalar."""
+    return (x * mask).sum() / (mask.sum() + EPS_MASK)
+
+
+def kl_k3(logp_new: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
+    """Sampled-token KL estimator, per token: Δ = clamp(ref − new, ±20), exp(Δ) − Δ − 1 ≥ 0.
+
+    logp_new, logp_ref [N, T] → [N, T]. Its expectation under the policy is KL(π ‖ π_ref); it is 0
+    where the two log-probs agree.
+    """
+    delta = (logp_ref - logp_new).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.exp(delta) - delta - 1
+
+
+def group_zscore_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The seed's group-relative advantage: (r − group mean) / (group population std + 1e-6).
+
+    rewards [N] prompt-major → [N]. A group with equal rewards gets 0; group_size ≤ 1 gives zeros.
+    """
+    if group_size <= 1:
+        return torch.zeros_like(rewards)
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards cannot be split into groups of {group_size}")
+    grouped = rewards.view(-1, group_size)  # [N/G, G]
+    mean = grouped.mean(dim=1, keepdim=True)  # [N/G, 1]
+    std = grouped.std(dim=1, unbiased=False, keepdim=True)  # population std
+    return ((grouped - mean) / (std + EPS_STD)).view(-1)
+
+
+# Advantage estimators by name: (rewards [N], group_size) -> advantages [N].
+ADVANTAGE_ESTIMATORS: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
+    "group_zscore": group_zscore_advantages,
+}
+
+
+def normalize_advantages(adv: torch.Tensor) -> torch.Tensor:
+    """Global z-score over the whole batch: adv [N] → [N]; all-equal input gives zeros."""
+    return (adv - adv.mean()) / (adv.std(unbiased=False) + EPS_STD)
+
+
+def zero_spread_fraction(rewards: torch.Tensor, group_size: int) -> float:
+    """Fraction of groups whose rewards are all equal (they give no policy gradient)."""
+    grouped = rewards.view(-1, group_size)
+    return (grouped.max(dim=1).values == grouped.min(dim=1).values).float().mean().item()

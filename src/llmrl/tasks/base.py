@@ -1,0 +1,59 @@
+"""The task interface: data + prompt builder + `reward()` + `evaluate()`, sharing one grader."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass
+class Example:
+    """One prompt to complete and what its grader needs."""
+
+    messages: list[dict[str, str]]  # chat messages (system, user) rendered by the model's template
+    answer: Any  # what the grader compares against (an int for format_copy, a gold string for math)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Reward:
+    """A scored completion: `total` is the sum of `components` (each logged as reward/<name>)."""
+
+    total: float
+    components: dict[str, float]
+
+
+class Task(Protocol):
+    name: str
+    eval_n_default: int
+
+    def sample_train_batch(self, n: int) -> list[Example]: ...
+
+    def eval_examples(self, n: int) -> list[Example]: ...
+
+    def reward(self, example: Example, completion: str) -> Reward: ...
+
+    def evaluate(self, examples: list[Example], completions: list[str]) -> dict[str, float]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class SeededSampling:
+    """Mixin: the task's own RNG, saved and restored with checkpoints."""
+
+    rng: random.Random
+
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss = self.rng.getstate()
+        return {"rng": [version, list(internal), gauss]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+
+
+def mean_of(flags: list[bool]) -> float:
+    return sum(flags) / len(flags) if flags else 0.0

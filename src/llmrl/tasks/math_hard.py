@@ -1,0 +1,188 @@
+"""math_hard: level-5 MATH problems with numeric gold answers, answered as \\boxed{NUMBER} (reward max 1.1)."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmrl.errors import DataError
+from llmrl.tasks.base import Example, Reward, SeededSampling, mean_of
+
+SYSTEM = (
+    "Solve the competition-level math problem.\n"
+    "Return the final answer in this exact format: \\boxed{NUMBER}\n"
+    "Do not output XML, ####, or extra prose.\n"
+    "Output only the boxed final answer."
+)
+USER = "{problem}\n\nReturn only: \\boxed{{NUMBER}}"
+HUB_DATASET = "the-jb/hendrycks-math"
+LEVEL = "Level 5"
+TOLERANCE = 1e-6
+
+NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+")
+_PLAIN = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)"
+_FRAC = re.compile(r"([-+]?)\\[dt]?frac\{(" + _PLAIN + r")\}\{(" + _PLAIN + r")\}")
+_SLASH = re.compile(r"(" + _PLAIN + r")/(" + _PLAIN + r")")
+_MIXED = re.compile(r"([-+]?)(\d+)\\[dt]?frac\{(\d+)\}\{(\d+)\}")
+_TEXT = re.compile(r"^\\(?:text|textbf|mathrm|mbox)\{(.*)\}$")
+_SPACING = re.compile(r"\\[!,;: ]|\$|\s")
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{…}` with balanced braces; None if absent or unclosed."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i = start + len("\\boxed{")
+    depth = 1
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i:j]
+    return None
+
+
+def parse_number(s: str) -> float | None:
+    """A numeric answer as a float: integers, decimals, a/b, \\frac{a}{b}, mixed numbers, \\text{n}.
+
+    Anything else (radicals, intervals, expressions, words) is None: the seed keeps only numeric golds.
+    """
+    s = _SPACING.sub("", s)
+    while (m := _TEXT.match(s)) is not None:
+        s = m.group(1)
+    s = s.replace(",", "") if re.fullmatch(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?", s) else s
+    if re.fullmatch(_PLAIN, s):
+        return float(s)
+    if m := _MIXED.fullmatch(s):
+        sign = -1.0 if m.group(1) == "-" else 1.0
+        whole, num, den = int(m.group(2)), int(m.group(3)), int(m.group(4))
+        return sign * (whole + num / den) if den else None
+    for pattern in (_FRAC, _SLASH):
+        if m := pattern.fullmatch(s):
+            groups = m.groups()
+            sign = -1.0 if len(groups) == 3 and groups[0] == "-" else 1.0
+            num, den = float(groups[-2]), float(groups[-1])
+            return sign * num / den if den else None
+    return None
+
+
+def last_number(text: str) -> float | None:
+    """The last number written anywhere in the text (thousands commas allowed)."""
+    found = NUMBER.findall(text)
+    return float(found[-1].replace(",", "")) if found else None
+
+
+def close(a: float | None, b: float) -> bool:
+    return a is not None and abs(a - b) <= TOLERANCE
+
+
+@dataclass(frozen=True)
+class MathGrade:
+    boxed: bool  # the text contains \boxed{
+    boxed_exact: bool  # the last boxed content is the gold number
+    relaxed: bool  # the last number anywhere in the text is the gold number
+
+
+def grade(completion: str, gold: float) -> MathGrade:
+    """The one grader behind both reward and eval."""
+    content = last_boxed(completion)
+    return MathGrade(
+        boxed="\\boxed{" in completion,
+        boxed_exact=content is not None and close(parse_number(content), gold),
+        relaxed=close(last_number(completion), gold),
+    )
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """Rows of a local JSONL or Parquet file."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def load_split(source: str | None, split: str) -> list[dict[str, Any]]:
+    """MATH rows of one split from the hub (default) or a local source.
+
+    A local source is either a directory holding `train.jsonl`/`test.jsonl` (or `.parquet`), or one
+    file whose rows may carry a `split` field (rows without it are used for both splits).
+    """
+    if source is None:
+        from datasets import load_dataset
+
+        return list(load_dataset(HUB_DATASET, split=split))
+    path = Path(source)
+    if path.is_dir():
+        files = [p for p in (path / f"{split}.jsonl", path / f"{split}.parquet") if p.exists()]
+        if not files:
+            raise DataError(f"math_data '{source}': no {split}.jsonl or {split}.parquet inside")
+        return read_rows(files[0])
+    return [r for r in read_rows(path) if r.get("split", split) == split]
+
+
+def numeric_level5(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Keep level-5 problems whose gold (last boxed answer of the solution) is numeric, in order."""
+    kept = []
+    for row in rows:
+        if row.get("level") != LEVEL or not row.get("problem") or not row.get("solution"):
+            continue
+        boxed = last_boxed(row["solution"])
+        gold = parse_number(boxed) if boxed is not None else None
+        if gold is not None:
+            kept.append({**row, "gold": gold, "gold_text": boxed})
+    return kept
+
+
+class MathHardTask(SeededSampling):
+    name = "math_hard"
+    eval_n_default = 512
+
+    def __init__(self, seed: int = 0, data: str | None = None):
+        self.rng = random.Random(seed)
+        self.train_rows = numeric_level5(load_split(data, "train"))
+        self.test_rows = numeric_level5(load_split(data, "test"))
+        if not self.train_rows or not self.test_rows:
+            raise DataError(
+                f"math_data '{data or HUB_DATASET}': no level-5 problems with numeric answers "
+                f"(train {len(self.train_rows)}, test {len(self.test_rows)})"
+            )
+
+    @staticmethod
+    def example(row: dict[str, Any]) -> Example:
+        return Example(
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER.format(problem=row["problem"])}],
+            answer=row["gold"],
+            meta={"gold_text": row["gold_text"], "type": row.get("type")},
+        )
+
+    def sample_train_batch(self, n: int) -> list[Example]:
+        return [self.example(self.rng.choice(self.train_rows)) for _ in range(n)]
+
+    def eval_examples(self, n: int) -> list[Example]:
+        return [self.example(r) for r in self.test_rows[:n]]
+
+    def reward(self, example: Example, completion: str) -> Reward:
+        g = grade(completion, example.answer)
+        components = {
+            "boxed": 0.1 * g.boxed,
+            "boxed_exact": 1.0 * g.boxed_exact,
+            "relaxed": 0.1 * (g.relaxed and not g.boxed_exact),
+        }
+        return Reward(total=sum(components.values()), components=components)
+
+    def evaluate(self, examples: list[Example], completions: list[str]) -> dict[str, float]:
+        grades = [grade(c, ex.answer) for ex, c in zip(examples, completions, strict=True)]
+        return {
+            "boxed_exact": mean_of([g.boxed_exact for g in grades]),
+            "relaxed_exact": mean_of([g.relaxed for g in grades]),
+            "boxed_rate": mean_of([g.boxed for g in grades]),
+        }

@@ -1,0 +1,227 @@
+"""The training loop: sample → reward → advantage → update → log → eval → save, one step at a time.
+
+    for step in 1..steps:
+        1. examples = task.sample_train_batch(B)              (the task's own seeded RNG)
+        2. rollout  = G completions per prompt + old/ref log-probs (seed derived from seed, step, rank)
+        3. rewards  = task.reward(example, text) for each     [N] and their components
+        4. adv      = clamp(estimator(rewards, G), ±adv_clip) [N]
+        5. update   = ppo_epochs × shuffled minibatches, loss chosen by `algo` from LOSSES
+        6. log      metrics.jsonl (+ samples.jsonl every sample_log_interval steps)
+        7. eval     every eval_interval steps and at the end (and once before step 1)
+        8. save     every save_interval steps and at the end
+
+Everything the next step needs lives in the model, the optimizer, the scheduler, the task's RNG and
+the shuffle generator, which is exactly what a checkpoint holds, so `--resume` continues the run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from llmrl.algorithms.core import ADVANTAGE_ESTIMATORS, normalize_advantages, zero_spread_fraction
+from llmrl.algorithms.losses import LOSSES
+from llmrl.checkpoint import CHECKPOINTS, latest_checkpoint, load_checkpoint, save_checkpoint
+from llmrl.config import TrainConfig, save_config
+from llmrl.errors import ConfigError
+from llmrl.logger import EVAL_SAMPLES, METRICS, SAMPLES, RunLogger
+from llmrl.models.loading import add_lora, load_base_model, pick_device, pick_dtype
+from llmrl.rollout.sampler import eos_ids, generation_config, rollout
+from llmrl.tasks import Task, make_task
+from llmrl.training.evaluate import evaluate
+from llmrl.training.update import policy_update, warmup_factor
+
+
+RUN_FILES = ("config.yaml", METRICS, SAMPLES, EVAL_SAMPLES, CHECKPOINTS)
+
+
+@dataclass
+class TrainResult:
+    model: Any  # the trained PeftModel
+    tokenizer: Any
+    run_dir: Path
+    last_metrics: dict[str, Any]
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """The sampling seed of one step on one rank: resume and reruns draw the same completions."""
+    return (seed * 1_000_003 + step * 7_919 + rank) % (2**63)
+
+
+def build_policy(cfg: TrainConfig):
+    """(LoRA-wrapped model, tokenizer, device) for a config; LoRA init is seeded by cfg.seed."""
+    device = pick_device(cfg.device)
+    base, tokenizer = load_base_model(cfg.model, device, pick_dtype(cfg.dtype, device))
+    torch.manual_seed(cfg.seed)
+    model = add_lora(base, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules, cfg.gradient_checkpointing)
+    return model, tokenizer, device
+
+
+def run_eval(cfg: TrainConfig, model, tokenizer, task: Task) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    n = cfg.eval_n if cfg.eval_n is not None else task.eval_n_default
+    return evaluate(
+        model, tokenizer, task, task.eval_examples(n), batch_size=cfg.eval_batch_size,
+        max_prompt_tokens=cfg.max_prompt_tokens, min_new_tokens=cfg.min_new_tokens,
+        max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
+    )
+
+
+def reward_metrics(rewards: list, adv: torch.Tensor, rewards_t: torch.Tensor, group_size: int) -> dict[str, float]:
+    n = len(rewards)
+    out = {"reward/mean": rewards_t.mean().item(), "reward/std": rewards_t.std(unbiased=False).item()}
+    for name in rewards[0].components:
+        out[f"reward/{name}"] = sum(r.components[name] for r in rewards) / n
+    out |= {"adv/mean": adv.mean().item(), "adv/std": adv.std(unbiased=False).item(),
+            "adv/min": adv.min().item(), "adv/max": adv.max().item(),
+            "rollout/zero_spread_frac": zero_spread_fraction(rewards_t, group_size)}
+    return out
+
+
+def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse to mix a new run into an old one: resume it, overwrite it, or pick another directory."""
+    existing = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if existing and not resume:
+        if not overwrite:
+            raise ConfigError(f"output_dir {run_dir} already holds a run ({', '.join(existing)}): "
+                              f"use --resume {run_dir}, --overwrite, or another --output_dir")
+        for name in existing:
+            shutil.rmtree(run_dir / name) if (run_dir / name).is_dir() else (run_dir / name).unlink()
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> TrainResult:
+    """Train a LoRA policy with `cfg`; with `resume`, continue from the newest checkpoint of output_dir;
+    with `overwrite`, replace a run already in output_dir."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if world != 1:
+        raise ConfigError(f"WORLD_SIZE={world}: multi-process training is not implemented yet; run one process")
+    is_main = rank == 0
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    run_dir = Path(cfg.output_dir)
+    if is_main:
+        prepare_run_dir(run_dir, resume, overwrite)
+
+    model, tokenizer, device = build_policy(cfg)
+    task = make_task(cfg.task, seed=cfg.seed + rank, math_data=cfg.math_data)
+    loss_fn, estimator = LOSSES[cfg.algo], ADVANTAGE_ESTIMATORS[cfg.adv_estimator]
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_factor(s, cfg.warmup_steps))
+    shuffle = torch.Generator().manual_seed(cfg.seed + 1)
+    eos = eos_ids(model, tokenizer)
+    gen_config = generation_config(
+        tokenizer, eos, do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+        repetition_penalty=cfg.repetition_penalty, min_new_tokens=cfg.min_new_tokens, max_new_tokens=cfg.max_new_tokens,
+    )
+
+    start, totals = 1, {"optimizer_steps": 0, "skipped_updates": 0, "completions": 0, "train_seconds": 0.0}
+    checkpoint = latest_checkpoint(run_dir) if resume else None
+    if resume and checkpoint is None:
+        raise ConfigError(f"--resume {run_dir}: no complete checkpoint under {run_dir / 'checkpoints'}")
+    if checkpoint is not None:
+        state = load_checkpoint(checkpoint, model, optimizer, shuffle)
+        scheduler.load_state_dict(state["scheduler"])
+        task.load_state_dict(state["task"])
+        start, totals = state["step"] + 1, state["totals"]
+    if is_main:
+        save_config(cfg, run_dir / "config.yaml")
+    logger = RunLogger(run_dir, cfg.to_dict(), enabled=is_main, use_wandb=cfg.wandb, project=cfg.wandb_project,
+                       name=cfg.run_name, resume_step=start - 1 if checkpoint else None)
+
+    def evaluate_and_log(step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        metrics, rows = run_eval(cfg, model, tokenizer, task)
+        metrics["time/eval_s"] = time.perf_counter() - t0
+        logger.log(step, metrics)
+        logger.log_samples(step, rows, eval=True)
+        return metrics
+
+    def save(step: int) -> None:
+        if is_main:
+            state = {"scheduler": scheduler.state_dict(), "task": task.state_dict(), "totals": totals, "config": cfg.to_dict()}
+            save_checkpoint(run_dir, step, model, optimizer, state, shuffle)
+
+    eval_on = (cfg.eval_n if cfg.eval_n is not None else task.eval_n_default) > 0
+    if eval_on and cfg.eval_interval > 0 and checkpoint is None:
+        evaluate_and_log(0)  # the untrained policy, for comparison
+
+    last: dict[str, Any] = {}
+    bar = tqdm(range(start, cfg.steps + 1), initial=start - 1, total=cfg.steps, disable=not is_main, desc="train")
+    for step in bar:
+        # 1-3. sample prompts, complete them G times, score the completions
+        t0 = time.perf_counter()
+        examples = task.sample_train_batch(cfg.batch_size)
+        out = rollout(
+            model, tokenizer, [ex.messages for ex in examples], group_size=cfg.group_size, gen_config=gen_config,
+            max_prompt_tokens=cfg.max_prompt_tokens, seed=step_seed(cfg.seed, step, rank), with_ref=cfg.kl_coef > 0,
+            chunk=cfg.minibatch_size,
+        )
+        owners = [ex for ex in examples for _ in range(cfg.group_size)]  # prompt-major, like the completions
+        rewards = [task.reward(ex, text) for ex, text in zip(owners, out.texts, strict=True)]
+        rewards_t = torch.tensor([r.total for r in rewards], dtype=torch.float32)
+        rollout_s = time.perf_counter() - t0
+
+        # 4. advantages
+        adv = estimator(rewards_t, cfg.group_size)
+        if cfg.normalize_advantages:
+            adv = normalize_advantages(adv)
+        adv = adv.clamp(-cfg.adv_clip, cfg.adv_clip)
+
+        # 5. update
+        t0 = time.perf_counter()
+        batch = {"input_ids": out.input_ids, "attention_mask": out.attention_mask, "completion_mask": out.completion_mask,
+                 "logp_old": out.logp_old, "adv": adv.to(device)}
+        if out.logp_ref is not None:
+            batch["logp_ref"] = out.logp_ref
+        stats = policy_update(
+            model, optimizer, scheduler, batch, prompt_len=out.prompt_len, loss_fn=loss_fn, ppo_epochs=cfg.ppo_epochs,
+            minibatch_size=cfg.minibatch_size, grad_accum_steps=cfg.grad_accum_steps, clip_eps=cfg.clip_eps,
+            kl_coef=cfg.kl_coef, max_grad_norm=cfg.max_grad_norm, generator=shuffle,
+        )
+        update_s = time.perf_counter() - t0
+
+        # 6. log
+        totals["optimizer_steps"] += stats.pop("optimizer_steps")
+        totals["skipped_updates"] += stats.pop("skipped_updates")
+        totals["completions"] += len(rewards)
+        totals["train_seconds"] += rollout_s + update_s
+        lengths = out.completion_lens.float()
+        last = {
+            **reward_metrics(rewards, adv, rewards_t, cfg.group_size),
+            **{f"train/{k}": v for k, v in stats.items()},
+            "train/optimizer_steps": totals["optimizer_steps"],
+            "train/skipped_updates": totals["skipped_updates"],
+            "rollout/completion_len": lengths.mean().item(),
+            "rollout/completion_len_max": lengths.max().item(),
+            "rollout/truncated_frac": (~out.ended).float().mean().item(),
+            "rollout/prompts_truncated": out.prompts_truncated,
+            "rollout/completions": totals["completions"],
+            "time/rollout_s": rollout_s,
+            "time/update_s": update_s,
+            "time/train_s": totals["train_seconds"],
+        }
+        logger.log(step, last)
+        if cfg.sample_log_interval and step % cfg.sample_log_interval == 0:
+            logger.log_samples(step, [
+                {"prompt": ex.messages[-1]["content"], "answer": ex.answer, "completion": text, "reward": r.total,
+                 "components": r.components, "advantage": a, "ended": bool(e)}
+                for ex, text, r, a, e in zip(owners, out.texts, rewards, adv.tolist(), out.ended.tolist())
+            ])
+        bar.set_postfix(reward=f"{last['reward/mean']:.3f}", kl=f"{last['train/kl']:.4f}", loss=f"{last['train/loss']:.4f}")
+
+        # 7. eval, 8. save
+        final = step == cfg.steps
+        if eval_on and (final or (cfg.eval_interval and step % cfg.eval_interval == 0)):
+            last |= evaluate_and_log(step)
+        if final or (cfg.save_interval and step % cfg.save_interval == 0):
+            save(step)
+    logger.close()
+    return TrainResult(model=model, tokenizer=tokenizer, run_dir=run_dir, last_metrics=last)

@@ -1,0 +1,112 @@
+"""The policy update of one RL step: minibatches, losses, gradient accumulation, optimizer steps."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+
+from llmrl.algorithms.core import kl_k3, masked_mean
+from llmrl.algorithms.losses import LossFn
+from llmrl.rollout.sampler import sequence_logprobs
+
+
+def warmup_factor(optimizer_step: int, warmup_steps: int) -> float:
+    """LR multiplier: linear from 1/warmup (first optimizer step) to 1 (step warmup-1 and after)."""
+    if warmup_steps <= 0:
+        return 1.0
+    return min(1.0, (optimizer_step + 1) / warmup_steps)
+
+
+def iter_minibatches(
+    batch: dict[str, torch.Tensor], size: int, generator: torch.Generator
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Shuffle rows with `generator` and yield minibatches of `size` rows (the last may be smaller).
+
+    Every tensor in `batch` has the same first dimension N and is sliced with the same indices.
+    """
+    n = next(iter(batch.values())).shape[0]
+    order = torch.randperm(n, generator=generator)
+    for start in range(0, n, size):
+        idx = order[start : start + size]
+        yield {k: v[idx.to(v.device)] for k, v in batch.items()}
+
+
+def trim_to_completions(mb: dict[str, torch.Tensor], prompt_len: int) -> dict[str, torch.Tensor]:
+    """Drop trailing columns where no row of the minibatch has a completion token left to score.
+
+    Sequence tensors are [M, L]; per-token tensors [M, L-1]; per-row tensors [M] are kept as they are.
+    """
+    mask = mb["completion_mask"]  # [M, L-1]
+    scored = mask.sum(0).nonzero()
+    last = int(scored.max()) + 1 if len(scored) else prompt_len  # keep logp columns [0, last)
+    out = {}
+    for k, v in mb.items():
+        if v.dim() == 2:
+            out[k] = v[:, : last + 1] if v.shape[1] == mask.shape[1] + 1 else v[:, :last]
+        else:
+            out[k] = v
+    return out
+
+
+def policy_update(
+    model, optimizer: torch.optim.Optimizer, scheduler, batch: dict[str, torch.Tensor], *, prompt_len: int,
+    loss_fn: LossFn, ppo_epochs: int, minibatch_size: int, grad_accum_steps: int, clip_eps: float,
+    kl_coef: float, max_grad_norm: float, generator: torch.Generator,
+) -> dict[str, float]:
+    """Run `ppo_epochs` passes of minibatch updates over one rollout.
+
+    batch: input_ids, attention_mask [N, L]; completion_mask, logp_old, (logp_ref) [N, L-1]; adv [N].
+    loss = (pg + kl_coef·KL) / grad_accum_steps; an optimizer step every `grad_accum_steps`
+    minibatches and one more for a remainder at the end of each pass. A non-finite loss or gradient
+    norm skips that optimizer step (counted in `skipped_updates`).
+    Returns means over minibatches of loss, pg, kl, clip_frac, entropy; grad_norm mean over steps;
+    lr of the last optimizer step; counts of optimizer steps taken and skipped.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    sums: dict[str, float] = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
+    grad_norms: list[float] = []
+    lr = float("nan")  # the learning rate of the last optimizer step taken
+    minibatches = optimizer_steps = skipped = 0
+    model.train()
+    for _epoch in range(ppo_epochs):
+        pending = 0  # minibatches accumulated since the last optimizer step
+        bad = False  # a non-finite loss was seen in this accumulation window
+        n_mb = -(-batch["adv"].shape[0] // minibatch_size)
+        for i, mb in enumerate(iter_minibatches(batch, minibatch_size, generator)):
+            mb = trim_to_completions(mb, prompt_len)
+            mask = mb["completion_mask"]
+            logp_new, entropy = sequence_logprobs(model, mb["input_ids"], mb["attention_mask"], prompt_len, with_entropy=True)
+            pg, stats = loss_fn(logp_new, mb["logp_old"], mb["adv"], mask, clip_eps)
+            kl = masked_mean(kl_k3(logp_new, mb["logp_ref"]), mask) if kl_coef > 0 else torch.zeros((), device=pg.device)
+            loss = (pg + kl_coef * kl) / grad_accum_steps
+            if torch.isfinite(loss):
+                loss.backward()
+            else:
+                bad = True
+            pending += 1
+            minibatches += 1
+            sums["loss"] += loss.item() * grad_accum_steps
+            sums["pg_loss"] += pg.item()
+            sums["kl"] += kl.item()
+            sums["clip_frac"] += stats["clip_frac"]
+            sums["entropy"] += masked_mean(entropy, mask).item()
+            if pending == grad_accum_steps or i == n_mb - 1:
+                norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
+                if bad or not math.isfinite(norm):
+                    skipped += 1
+                else:
+                    lr = optimizer.param_groups[0]["lr"]
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer_steps += 1
+                    grad_norms.append(norm)
+                optimizer.zero_grad(set_to_none=True)
+                pending, bad = 0, False
+    out = {k: v / max(minibatches, 1) for k, v in sums.items()}
+    out["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+    out["lr"] = lr
+    out["optimizer_steps"] = optimizer_steps
+    out["skipped_updates"] = skipped
+    return out

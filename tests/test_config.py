@@ -1,0 +1,82 @@
+"""Config loading and the one-line errors of invalid values."""
+
+import subprocess
+import sys
+
+import pytest
+
+from llmrl.config import TrainConfig, load_config
+from llmrl.errors import ConfigError
+
+
+def test_defaults_match_the_spec():
+    c = TrainConfig()
+    assert (c.model, c.steps, c.batch_size, c.group_size, c.max_new_tokens, c.lr) == (
+        "Qwen/Qwen2.5-Math-1.5B-Instruct", 1200, 8, 6, 512, 3e-5)
+    assert (c.adam_beta1, c.adam_beta2, c.warmup_steps, c.clip_eps, c.kl_coef, c.max_grad_norm, c.adv_clip) == (
+        0.9, 0.95, 100, 0.1, 0.05, 0.5, 5.0)
+    assert (c.lora_r, c.lora_alpha, c.lora_dropout, len(c.lora_target_modules)) == (16, 32, 0.05, 7)
+    assert c.rollout_size == 48 and c.optimizer_steps_per_rl_step == 6
+
+
+def test_yaml_then_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("steps: 7\nbatch_size: 2\ngroup_size: 4\nminibatch_size: 4\nlora_target_modules: [q_proj, v_proj]\n")
+    c = load_config(f, {"steps": "9", "normalize_advantages": "true", "eval_n": "none"})
+    assert (c.steps, c.batch_size, c.normalize_advantages, c.eval_n) == (9, 2, True, None)
+    assert c.lora_target_modules == ["q_proj", "v_proj"]
+    assert load_config(None, {"lora_target_modules": "q_proj,k_proj"}).lora_target_modules == ["q_proj", "k_proj"]
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    ({"batch_size": "-1"}, "batch_size=-1: must be at least 1"),
+    ({"min_new_tokens": "10", "max_new_tokens": "5"}, "min_new_tokens=10: must not exceed max_new_tokens=5"),
+    ({"task": "chess"}, "task='chess': unknown task"),
+    ({"algo": "ppo2"}, "algo='ppo2': unknown algorithm"),
+    ({"model": "not-an-alias"}, "model='not-an-alias'"),
+    ({"algo": "reinforce", "ppo_epochs": "2"}, "ppo_epochs=2: must be 1 with algo=reinforce"),
+    ({"batch_size": "3", "group_size": "3", "minibatch_size": "4"}, "minibatch_size=4: must divide batch_size*group_size=9"),
+    ({"unknown_key": "1"}, "unknown config key 'unknown_key'"),
+    ({"steps": "1.5"}, "steps: expected int"),
+    ({"top_p": "0"}, "top_p=0.0: must be in (0, 1]"),
+    ({"temperature": "0"}, "temperature=0.0: must be positive"),
+    ({"clip_eps": "1.5"}, "clip_eps=1.5"),
+    ({"normalize_advantages": "maybe"}, "normalize_advantages: expected bool"),
+    ({"math_data": "/no/such/file.jsonl"}, "math_data='/no/such/file.jsonl': no such file"),
+])
+def test_invalid_values_name_field_and_rule(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_yaml_unknown_key_and_bad_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("stepz: 3\n")
+    with pytest.raises(ConfigError, match="unknown config key 'stepz'"):
+        load_config(f)
+    f.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config(f)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--algo", "reinforce", "--ppo_epochs", "2"], "ppo_epochs=2: must be 1 with algo=reinforce"),
+    (["--nonsense", "3"], "unknown config key --nonsense"),
+    (["--group_size", "0"], "group_size=0: must be at least 1"),
+    (["--model", "nosuchmodel"], "model='nosuchmodel'"),
+    (["--config", "/no/such.yaml"], "config file '/no/such.yaml'"),
+])
+def test_cli_errors_are_one_line_with_exit_code_2(args, needle):
+    p = subprocess.run([sys.executable, "-m", "llmrl", "train", *args], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert needle in p.stderr
+    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_help_lists_documented_fields():
+    p = subprocess.run([sys.executable, "-m", "llmrl", "train", "--help"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0
+    assert "--kl_coef" in p.stdout and "weight of the KL penalty" in p.stdout
+    p = subprocess.run([sys.executable, "-m", "llmrl", "eval", "--help"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "--adapter" in p.stdout

@@ -1,0 +1,114 @@
+"""Core tensor functions against numbers worked out by hand."""
+
+import math
+
+import pytest
+import torch
+
+from llmrl.algorithms.core import (
+    completion_mask,
+    group_zscore_advantages,
+    kl_k3,
+    masked_mean,
+    masked_mean_rows,
+    normalize_advantages,
+    token_entropy,
+    token_logprobs,
+    zero_spread_fraction,
+)
+
+
+def test_token_logprobs_scores_the_next_token():
+    # position 0: logits [0, 0] -> p(token 1) = 0.5; position 1: [ln 3, 0] -> p(token 0) = 0.75
+    logits = torch.tensor([[[0.0, 0.0], [math.log(3.0), 0.0], [5.0, -5.0]]])  # [1, 3, 2]
+    ids = torch.tensor([[0, 1, 0]])
+    out = token_logprobs(logits, ids)
+    assert out.shape == (1, 2)
+    assert torch.allclose(out, torch.tensor([[math.log(0.5), math.log(0.75)]]), atol=1e-6)
+
+
+def test_token_entropy_uniform_and_peaked():
+    logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [100.0, 0.0, 0.0, 0.0]]])
+    ent = token_entropy(logits)
+    assert torch.allclose(ent, torch.tensor([[math.log(4.0), 0.0]]), atol=1e-5)
+
+
+EOS = 2  # pad == eos, as in the embedded model
+
+
+def test_completion_mask_includes_eos_and_ignores_padding_after_it():
+    ids = torch.tensor([
+        [7, 8, 9, 5, EOS, EOS, EOS],  # ends after one token: scores 5 and the EOS
+        [7, 8, 9, 5, 6, 7, 8],  # truncated: every generated token counts
+        [7, 8, 9, EOS, EOS, EOS, EOS],  # immediate EOS: only the EOS counts
+        [EOS, EOS, 9, 5, EOS, EOS, EOS],  # left padding made of pad==eos tokens changes nothing
+    ])
+    mask, ended = completion_mask(ids, prompt_len=3, eos_token_ids=[EOS])
+    assert mask.tolist() == [
+        [0, 0, 1, 1, 0, 0],
+        [0, 0, 1, 1, 1, 1],
+        [0, 0, 1, 0, 0, 0],
+        [0, 0, 1, 1, 0, 0],
+    ]
+    assert ended.tolist() == [True, False, True, True]
+
+
+def test_completion_mask_several_eos_ids():
+    ids = torch.tensor([[1, 1, 4, 11, 3, 10], [1, 1, 4, 10, 3, 3]])
+    mask, ended = completion_mask(ids, prompt_len=2, eos_token_ids=[10, 11])
+    assert mask.tolist() == [[0, 1, 1, 0, 0], [0, 1, 1, 0, 0]]
+    assert ended.tolist() == [True, True]
+
+
+def test_masked_means():
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    m = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    assert torch.allclose(masked_mean_rows(x, m), torch.tensor([1.5, 0.0]))
+    assert masked_mean(x, m).item() == pytest.approx(1.5, abs=1e-6)
+    m2 = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]])
+    assert masked_mean(x, m2).item() == pytest.approx((1 + 5 + 6) / 3, abs=1e-6)  # token mean, not row mean
+
+
+def test_kl_k3_values():
+    new = torch.log(torch.tensor([[0.5, 0.3]]))
+    ref = torch.log(torch.tensor([[0.25, 0.3]]))
+    kl = kl_k3(new, ref)
+    # delta = ln(0.25/0.5) = -ln 2: exp(delta) - delta - 1 = 0.5 + ln 2 - 1
+    assert kl[0, 0].item() == pytest.approx(0.5 + math.log(2) - 1, abs=1e-6)
+    assert kl[0, 1].item() == 0.0
+
+
+def test_kl_k3_nonnegative_and_clamped():
+    torch.manual_seed(0)
+    new, ref = torch.randn(50, 7) * 5, torch.randn(50, 7) * 5
+    assert (kl_k3(new, ref) >= 0).all()
+    big = kl_k3(torch.tensor([[0.0]]), torch.tensor([[50.0]]))  # delta clamped to 20
+    assert big.item() == pytest.approx(math.exp(20) - 21, rel=1e-6)
+    assert torch.isfinite(kl_k3(torch.tensor([[-1e4]]), torch.tensor([[0.0]]))).all()
+
+
+def test_group_advantages_by_hand():
+    adv = group_zscore_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4)
+    std = math.sqrt(0.1875)  # population std of (1, 0, 0, 0)
+    expected = [0.75 / (std + 1e-6)] + [-0.25 / (std + 1e-6)] * 3
+    assert torch.allclose(adv, torch.tensor(expected), atol=1e-6)
+
+
+def test_group_advantages_are_per_group_and_zero_spread_gives_zero():
+    adv = group_zscore_advantages(torch.tensor([1.0, 1.0, 1.0, 0.0, 0.5, 1.0]), 3)
+    s = math.sqrt(1 / 6)  # population std of (0, 0.5, 1)
+    assert torch.allclose(adv, torch.tensor([0, 0, 0, -0.5 / (s + 1e-6), 0, 0.5 / (s + 1e-6)]), atol=1e-6)
+    assert torch.isfinite(adv).all()
+
+
+def test_group_advantages_edge_cases():
+    assert group_zscore_advantages(torch.tensor([1.0, 2.0]), 1).tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="groups of 4"):
+        group_zscore_advantages(torch.ones(6), 4)
+
+
+def test_normalize_advantages_and_zero_spread_fraction():
+    out = normalize_advantages(torch.tensor([1.0, 3.0]))
+    assert torch.allclose(out, torch.tensor([-1.0, 1.0]), atol=1e-5)
+    assert normalize_advantages(torch.zeros(4)).tolist() == [0.0] * 4
+    assert zero_spread_fraction(torch.tensor([1.0, 1.0, 0.0, 1.0, 2.0, 2.0]), 2) == pytest.approx(2 / 3)

@@ -1,0 +1,113 @@
+"""Minibatching, gradient accumulation, warmup and skipping of non-finite updates."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from llmrl.algorithms.losses import grpo_loss, reinforce_loss
+from llmrl.algorithms.core import masked_mean_rows
+from llmrl.training.update import iter_minibatches, policy_update, trim_to_completions, warmup_factor
+
+
+class BigramLM(torch.nn.Module):
+    """logits[t] = W[token t]: small enough to check gradients by hand."""
+
+    def __init__(self, vocab: int = 6):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(vocab, vocab) * 0.1)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=0, use_cache=False):
+        logits = self.w[input_ids]  # [N, L, V]
+        return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
+
+
+def make_batch(n: int = 6, prompt_len: int = 2, gen: int = 3):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 6, (n, prompt_len + gen), generator=g)
+    mask = torch.zeros(n, prompt_len + gen - 1)
+    mask[:, prompt_len - 1 :] = 1
+    mask[0, -1] = 0  # one shorter completion
+    return {
+        "input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_mask": mask,
+        "logp_old": torch.zeros(n, prompt_len + gen - 1), "logp_ref": torch.zeros(n, prompt_len + gen - 1),
+        "adv": torch.linspace(-1, 1, n),
+    }
+
+
+def run(model, batch, opt, *, loss_fn=reinforce_loss, epochs=1, mb=2, accum=1, kl=0.0, seed=0):
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return policy_update(
+        model, opt, sched, batch, prompt_len=2, loss_fn=loss_fn, ppo_epochs=epochs, minibatch_size=mb,
+        grad_accum_steps=accum, clip_eps=0.2, kl_coef=kl, max_grad_norm=1e9, generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def test_minibatches_slice_every_field_with_the_same_seeded_permutation():
+    batch = {"a": torch.arange(7), "b": torch.arange(7) * 10, "c": torch.arange(14).view(7, 2)}
+    mbs = list(iter_minibatches(batch, 3, torch.Generator().manual_seed(0)))
+    assert [len(m["a"]) for m in mbs] == [3, 3, 1]  # the remainder is a smaller minibatch
+    seen = torch.cat([m["a"] for m in mbs])
+    assert sorted(seen.tolist()) == list(range(7)) and seen.tolist() != list(range(7))
+    for m in mbs:
+        assert torch.equal(m["b"], m["a"] * 10) and torch.equal(m["c"][:, 0], m["a"] * 2)
+    again = list(iter_minibatches(batch, 3, torch.Generator().manual_seed(0)))
+    assert torch.equal(torch.cat([m["a"] for m in again]), seen)
+
+
+def test_trim_to_completions_drops_unscored_tail():
+    mb = {"input_ids": torch.arange(12).view(2, 6), "completion_mask": torch.tensor([[0, 1, 1, 0, 0], [0, 1, 0, 0, 0.0]]),
+          "logp_old": torch.ones(2, 5), "adv": torch.ones(2)}
+    out = trim_to_completions(mb, prompt_len=2)
+    assert out["input_ids"].shape == (2, 4) and out["completion_mask"].shape == (2, 3) and out["logp_old"].shape == (2, 3)
+    assert out["adv"].shape == (2,)
+
+
+def test_warmup_is_linear_from_one_over_warmup():
+    assert [warmup_factor(s, 4) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert warmup_factor(0, 0) == 1.0
+
+
+def test_optimizer_steps_with_accumulation_remainder():
+    model = BigramLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stats = run(model, make_batch(n=6), opt, mb=2, accum=2, epochs=2)  # 3 minibatches: 2 + a flushed 1, per epoch
+    assert stats["optimizer_steps"] == 4 and stats["skipped_updates"] == 0
+
+
+def test_accumulated_gradient_equals_the_full_batch_gradient():
+    batch = make_batch(n=6)
+    model = BigramLM()
+    w0 = model.w.detach().clone()
+    run(model, batch, torch.optim.SGD(model.parameters(), lr=1.0), mb=2, accum=3)  # one step over 3 minibatches
+
+    ref = BigramLM()
+    logits = ref.w[batch["input_ids"]]
+    logp = torch.log_softmax(logits[:, 1:-1], -1).gather(-1, batch["input_ids"][:, 2:, None]).squeeze(-1)  # [6, 3]
+    pg = -(batch["adv"] * masked_mean_rows(logp, batch["completion_mask"][:, 1:])).mean()
+    pg.backward()
+    assert torch.allclose(model.w.detach(), w0 - ref.w.grad, atol=1e-6)
+
+
+def test_first_grpo_epoch_is_on_policy_and_kl_is_zero_at_the_reference():
+    batch = make_batch(n=4)
+    model = BigramLM()
+    with torch.no_grad():
+        logits = model.w[batch["input_ids"]]
+        logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    batch["logp_old"] = logp * batch["completion_mask"]
+    batch["logp_ref"] = batch["logp_old"].clone()
+    stats = run(model, batch, torch.optim.SGD(model.parameters(), lr=0.0), loss_fn=grpo_loss, mb=4, kl=0.5)
+    assert stats["clip_frac"] == 0.0 and stats["kl"] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_non_finite_loss_skips_the_update_and_keeps_parameters():
+    batch = make_batch(n=4)
+    batch["adv"][1] = float("nan")
+    model = BigramLM()
+    w0 = model.w.detach().clone()
+    stats = run(model, batch, torch.optim.SGD(model.parameters(), lr=1.0), mb=4, accum=1)
+    assert stats["skipped_updates"] == 1 and stats["optimizer_steps"] == 0
+    assert torch.equal(model.w.detach(), w0)
+    assert model.w.grad is None  # nothing left over for the next step
