@@ -2,47 +2,11 @@
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-TESTS = Path(__file__).parent
-TRAIN_KEYS = {
-    "step", "reward/mean", "reward/distinct", "train/kl", "train/loss", "train/clip_frac", "train/entropy",
-    "train/grad_norm", "train/optimizer_steps", "rollout/completion_len", "rollout/truncated_frac",
-    "rollout/zero_spread_frac", "time/rollout_s", "time/update_s", "adv/mean", "adv/std",
-}
-
-
-def cli(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env_extra or {})}
-    p = subprocess.run([sys.executable, "-m", "llmrl", *args], capture_output=True, text=True, timeout=600, env=env)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return p
-
-
-def tiny_args(model: str, out: Path, algo: str, steps: int = 2) -> list[str]:
-    return [
-        "train", "--model", model, "--task", "toy_task:CharTask", "--algo", algo, "--steps", str(steps),
-        "--batch_size", "2", "--group_size", "3", "--minibatch_size", "3", "--grad_accum_steps", "1",
-        "--ppo_epochs", "2" if algo == "grpo" else "1", "--max_new_tokens", "6", "--max_prompt_tokens", "64",
-        "--lr", "1e-2", "--warmup_steps", "0", "--lora_r", "4", "--lora_alpha", "8", "--gradient_checkpointing", "false",
-        "--eval_interval", "1", "--eval_n", "2", "--save_interval", "1", "--sample_log_interval", "1",
-        "--output_dir", str(out), "--num_threads", "1",
-    ]
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def lora_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
-    return load_file(ckpt / "adapter_model.safetensors")
+from helpers import TRAIN_KEYS, cli, lora_tensors, read_jsonl, tiny_args
 
 
 @pytest.mark.parametrize("algo", ["grpo", "reinforce"])

@@ -29,3 +29,15 @@ class CharTask(SeededSampling):
 
     def evaluate(self, examples, completions):
         return {"distinct": sum(self.reward(e, c).total for e, c in zip(examples, completions)) / max(len(examples), 1)}
+
+
+class RaisingTask(CharTask):
+    """Like CharTask, but the reward raises on every third completion."""
+
+    calls = 0
+
+    def reward(self, example, completion):
+        RaisingTask.calls += 1
+        if RaisingTask.calls % 3 == 0:
+            raise RuntimeError("grader crashed")
+        return super().reward(example, completion)

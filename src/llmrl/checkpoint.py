@@ -1,85 +1,189 @@
-"""Checkpoints under `<run>/checkpoints/step_NNNNNN/`.
+"""Checkpoints under `<run>/checkpoints/step_NNNNNN/`, written so that a crash never costs more
+than the steps since the previous one.
 
 Each holds the PEFT adapter (`adapter_model.safetensors` + `adapter_config.json`, loadable with
 plain `PeftModel.from_pretrained`), `optimizer.pt` and `rng.pt` (tensors only, loaded with
-`weights_only=True`) and `trainer_state.json` (step, scheduler, task and Python RNG state).
-A checkpoint is written into a temporary directory and renamed into place, and `latest` is
-rewritten only after that, so a crash while saving never hides the previous checkpoint.
+`weights_only=True`), `trainer_state.json` (step, scheduler, task and Python/NumPy RNG state,
+config) and last `manifest.json` (size and SHA-256 of every other file).
+
+Writing: everything goes into a temporary directory, is flushed to disk, and the directory is renamed
+into place; only then is `latest` rewritten (itself through a rename). A kill at any moment leaves
+either the old or the new checkpoint complete, plus at most a `.tmp-*` directory that the next run
+removes. Loading: a checkpoint whose manifest does not match its files is reported and skipped in
+favour of the previous good one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import pickle
 import random
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+
+from llmrl.errors import ConfigError
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
+MANIFEST = "manifest.json"
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return run_dir / CHECKPOINTS / f"step_{step:06d}"
 
 
-def rng_state() -> dict[str, Any]:
-    """Python and torch RNG states (the loop passes explicit seeds, these are kept for anything else)."""
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file or directory to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_manifest(directory: Path) -> None:
+    files = sorted(p for p in directory.iterdir() if p.is_file() and p.name != MANIFEST)
+    manifest = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    for p in [*files, directory / MANIFEST]:
+        _fsync(p)
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """None if every file the manifest lists is there with its size and hash; else what is wrong."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return "no readable manifest.json"
+    for name, expected in manifest.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != expected["size"]:
+            return f"{name} has {f.stat().st_size} bytes, expected {expected['size']}"
+        if _sha256(f) != expected["sha256"]:
+            return f"{name} does not match its hash"
+    return None
+
+
+def rng_state() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Global RNG states: (JSON-able part, tensor part). The loop itself passes explicit seeds; these
+    cover LoRA dropout and anything else that draws from the global generators."""
     v, internal, gauss = random.getstate()
-    return {"python": [v, list(internal), gauss], "torch": torch.get_rng_state()}
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    tensors = {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(keys.astype(np.int64))}
+    if torch.cuda.is_available():
+        tensors |= {f"cuda_{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())}
+    return {"python": [v, list(internal), gauss], "numpy": [kind, pos, has_gauss, cached]}, tensors
+
+
+def set_rng_state(plain: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    v, internal, gauss = plain["python"]
+    random.setstate((v, tuple(internal), gauss))
+    kind, pos, has_gauss, cached = plain["numpy"]
+    np.random.set_state((kind, tensors["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(tensors["torch"])
+    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("cuda_")]
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def remove_stale_temporaries(run_dir: Path) -> None:
+    """Delete half-written checkpoint directories left by a killed save."""
+    root = run_dir / CHECKPOINTS
+    if root.exists():
+        for tmp in root.glob(".tmp-*"):
+            shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
 
 
 def save_checkpoint(
-    run_dir: Path, step: int, model, optimizer: torch.optim.Optimizer, state: dict[str, Any], generator: torch.Generator
+    run_dir: Path, step: int, model, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+    generator: torch.Generator, keep: int = 0,
 ) -> Path:
-    """Write the checkpoint of `step` atomically and point `latest` at it."""
+    """Write the checkpoint of `step` atomically, point `latest` at it, keep the newest `keep` (0: all)."""
     final = checkpoint_dir(run_dir, step)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".tmp-step_{step:06d}-"))
     try:
         model.save_pretrained(tmp)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        rng = rng_state()
-        torch.save({"torch": rng["torch"], "shuffle": generator.get_state()}, tmp / "rng.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step, "python_rng": rng["python"]}))
+        plain, tensors = rng_state()
+        torch.save({**tensors, "shuffle": generator.get_state()}, tmp / "rng.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step, "rng": plain}))
+        _write_manifest(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        _fsync(final.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    pointer = run_dir / CHECKPOINTS / f".{LATEST}.tmp"
+    pointer = final.parent / f".tmp-{LATEST}"
     pointer.write_text(final.name)
-    os.replace(pointer, run_dir / CHECKPOINTS / LATEST)
+    _fsync(pointer)
+    os.replace(pointer, final.parent / LATEST)
+    if keep > 0:
+        for old in sorted(final.parent.glob("step_*"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The checkpoint `latest` names, else the highest-numbered complete one, else None."""
+def candidates(run_dir: Path) -> list[Path]:
+    """Checkpoint directories, the one `latest` names first, then newest to oldest."""
     root = run_dir / CHECKPOINTS
+    if not root.exists():
+        return []
+    found = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True)
     pointer = root / LATEST
-    if pointer.exists() and (root / pointer.read_text().strip() / "trainer_state.json").exists():
-        return root / pointer.read_text().strip()
-    done = sorted(p for p in root.glob("step_*") if (p / "trainer_state.json").exists()) if root.exists() else []
-    return done[-1] if done else None
+    named = root / pointer.read_text().strip() if pointer.exists() else None
+    return ([named] if named in found else []) + [p for p in found if p != named]
+
+
+def latest_checkpoint(run_dir: Path, report=lambda msg: print(msg, file=sys.stderr)) -> Path | None:
+    """The newest checkpoint that verifies; every one skipped on the way is reported in one line."""
+    for path in candidates(run_dir):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return path
+        report(f"llmrl: checkpoint {path} is incomplete or corrupt ({problem}); trying an older one")
+    return None
+
+
+def load_tensors(path: Path, device: torch.device | str = "cpu") -> Any:
+    """torch.load that only accepts tensors and plain containers: never unpickles code."""
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"checkpoint file {path} is not a plain tensor file, refusing to load it ({first})") from None
 
 
 def load_checkpoint(path: Path, model, optimizer: torch.optim.Optimizer, generator: torch.Generator) -> dict[str, Any]:
-    """Restore adapter weights, optimizer, RNGs; return the trainer state (step, scheduler, task, ...)."""
+    """Restore adapter weights, optimizer and RNGs; return the trainer state (step, scheduler, task, ...)."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
     device = next(model.parameters()).device
     set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors", device=str(device)))
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
-    rng = torch.load(path / "rng.pt", weights_only=True)
-    torch.set_rng_state(rng["torch"])
-    generator.set_state(rng["shuffle"])
+    optimizer.load_state_dict(load_tensors(path / "optimizer.pt", device))
+    tensors = load_tensors(path / "rng.pt")
+    generator.set_state(tensors.pop("shuffle"))
     state = json.loads((path / "trainer_state.json").read_text())
-    v, internal, gauss = state["python_rng"]
-    random.setstate((v, tuple(internal), gauss))
+    set_rng_state(state["rng"], tensors)
     return state

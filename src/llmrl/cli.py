@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from llmrl.config import FIELDS, TrainConfig, load_config, read_yaml
-from llmrl.errors import ConfigError, UserError
+from llmrl.errors import ConfigError, RunStopped, UserError
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "config", None):
             read_yaml(args.config)  # report a bad file before anything heavy
         return {"train": cmd_train, "eval": cmd_eval}[args.command](args)
+    except RunStopped as e:
+        print(f"llmrl: stopped: {e}", file=sys.stderr)
+        return 1
     except UserError as e:
         print(f"llmrl: error: {e}", file=sys.stderr)
         return 2

@@ -78,6 +78,10 @@ class TrainConfig:
     eval_batch_size: int = doc(32, "prompts per generate call in eval")
     eval_max_new_tokens: int | None = doc(None, "max new tokens in eval (default: max_new_tokens)")
     save_interval: int = doc(100, "checkpoint every this many steps, and at the end (0 = only at the end)")
+    keep_checkpoints: int = doc(3, "keep the newest this many checkpoints (0 = keep all)")
+    max_bad_steps: int = doc(5, "stop (with a checkpoint) after this many consecutive skipped non-finite updates")
+    strict_rewards: bool = doc(False, "stop the run when a reward function raises (default: score 0 and count it)")
+    long_prompts: str = doc("truncate", "prompts over max_prompt_tokens: truncate (keep the last tokens) or skip (draw others)")
     sample_log_interval: int = doc(10, "append the step's completions to samples.jsonl every this many steps (0 = never)")
     wandb: bool = doc(False, "also log to Weights & Biases (respects WANDB_MODE=offline)")
     wandb_project: str = doc("llmrl", "wandb project")
@@ -102,6 +106,20 @@ class TrainConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+# Fields a resumed run may change; any other difference from the checkpoint's config is an error.
+RESUME_MAY_CHANGE = {
+    "steps", "output_dir", "eval_interval", "eval_n", "eval_batch_size", "eval_max_new_tokens", "save_interval",
+    "keep_checkpoints", "sample_log_interval", "max_bad_steps", "strict_rewards", "wandb", "wandb_project",
+    "run_name", "num_threads", "device",
+}
+
+
+def resume_differences(saved: dict[str, Any], current: TrainConfig) -> list[str]:
+    """`field (saved → current)` for every field that differs and may not change on resume."""
+    now = current.to_dict()
+    return [f"{k} ({saved.get(k)!r} → {now[k]!r})" for k in now
+            if k not in RESUME_MAY_CHANGE and saved.get(k, now[k]) != now[k]]
 
 
 def _base_type(tp: Any) -> Any:
@@ -160,11 +178,11 @@ def validate(cfg: TrainConfig) -> None:
         if not ok:
             raise ConfigError(f"{name}={getattr(cfg, name)!r}: {text}")
 
-    for name in ("steps", "batch_size", "group_size", "max_new_tokens", "max_prompt_tokens", "grad_accum_steps",
+    for name in ("max_bad_steps", "steps", "batch_size", "group_size", "max_new_tokens", "max_prompt_tokens", "grad_accum_steps",
                  "ppo_epochs", "minibatch_size", "eval_batch_size", "lora_r"):
         rule(getattr(cfg, name) >= 1, name, "must be at least 1")
     for name in ("seed", "min_new_tokens", "top_k", "warmup_steps", "eval_interval", "save_interval",
-                 "sample_log_interval", "num_threads", "weight_decay", "kl_coef"):
+                 "sample_log_interval", "num_threads", "weight_decay", "kl_coef", "keep_checkpoints"):
         rule(getattr(cfg, name) >= 0, name, "must not be negative")
     for name in ("temperature", "repetition_penalty", "lr", "max_grad_norm", "adv_clip", "lora_alpha"):
         rule(getattr(cfg, name) > 0, name, "must be positive")
@@ -188,6 +206,7 @@ def validate(cfg: TrainConfig) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rule(cfg.batch_size % world == 0, "batch_size", f"must be divisible by the world size {world}")
     rule(cfg.device == "auto" or cfg.device == "cpu" or cfg.device.startswith("cuda"), "device", "must be auto, cpu, cuda or cuda:N")
+    rule(cfg.long_prompts in ("truncate", "skip"), "long_prompts", "must be truncate or skip")
     rule(cfg.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", "must be auto, float32, bfloat16 or float16")
     rule(cfg.math_data is None or Path(cfg.math_data).exists(), "math_data", "no such file or directory")
     if cfg.wandb:

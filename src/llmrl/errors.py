@@ -15,3 +15,8 @@ class ModelError(UserError):
 
 class DataError(UserError):
     """A data source that is missing or has nothing usable in it."""
+
+
+class RunStopped(UserError):
+    """The run stopped itself to lose nothing (repeated non-finite updates, a full disk, a raising
+    reward under --strict_rewards); the message says where the last good checkpoint is."""

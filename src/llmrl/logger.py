@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
+
+from llmrl.errors import RunStopped
 
 METRICS = "metrics.jsonl"
 SAMPLES = "samples.jsonl"
@@ -23,12 +26,23 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def _step_of(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None  # e.g. a line cut short by a kill
+
+
 def truncate_after(path: Path, step: int) -> None:
-    """Drop records logged after `step` (a resumed run logs them again, so each step appears once)."""
+    """Drop records logged after `step`, and any partial line (a resumed run logs those steps again,
+    so each step appears once). The file is replaced atomically."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    kept = [line for line in lines if (s := _step_of(line)) is not None and s <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 class RunLogger:
@@ -48,9 +62,13 @@ class RunLogger:
                                     resume="allow")
 
     def _append(self, file: str, rows: list[dict[str, Any]]) -> None:
-        with open(self.run_dir / file, "a", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
+        text = "".join(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n" for row in rows)
+        try:
+            with open(self.run_dir / file, "a", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as e:
+            raise RunStopped(f"could not write {self.run_dir / file}: {e.strerror or e}; checkpoints are intact: "
+                             f"fix the cause and run `llmrl train --resume {self.run_dir}`") from None
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Append one metrics record for `step` (train or eval keys)."""

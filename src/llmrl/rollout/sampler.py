@@ -95,11 +95,20 @@ def eos_ids(model, tokenizer) -> list[int]:
     return sorted(set(ids) | {tokenizer.eos_token_id})
 
 
+def render(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of chat messages rendered with the model's template, ready for the reply."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def prompt_length(tokenizer, messages: list[dict[str, str]]) -> int:
+    return len(render(tokenizer, messages))
+
+
 def encode_prompts(tokenizer, messages: list[list[dict[str, str]]], max_prompt_tokens: int, device: torch.device):
     """Render chat messages with the model's template, keep the last `max_prompt_tokens` tokens,
     left-pad. Returns (ids [B, P], attention_mask [B, P], number of prompts truncated)."""
-    rendered = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
-    token_lists = [tokenizer(r, add_special_tokens=False)["input_ids"] for r in rendered]
+    token_lists = [render(tokenizer, m) for m in messages]
     truncated = sum(len(t) > max_prompt_tokens for t in token_lists)
     token_lists = [t[-max_prompt_tokens:] for t in token_lists]
     width = max(len(t) for t in token_lists)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,14 +101,22 @@ def grade(completion: str, gold: float) -> MathGrade:
     )
 
 
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    """Rows of a local JSONL or Parquet file."""
+def read_rows(path: Path) -> list[Any]:
+    """Rows of a local JSONL or Parquet file. A JSONL line that is not valid JSON becomes None (it is
+    counted and dropped later); invalid UTF-8 is replaced, so such text is dropped as invalid too."""
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         return pq.read_table(path).to_pylist()
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    rows: list[Any] = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    rows.append(None)
+    return rows
 
 
 def load_split(source: str | None, split: str) -> list[dict[str, Any]]:
@@ -126,20 +135,42 @@ def load_split(source: str | None, split: str) -> list[dict[str, Any]]:
         if not files:
             raise DataError(f"math_data '{source}': no {split}.jsonl or {split}.parquet inside")
         return read_rows(files[0])
-    return [r for r in read_rows(path) if r.get("split", split) == split]
+    return [r for r in read_rows(path) if not isinstance(r, dict) or r.get("split", split) == split]
 
 
-def numeric_level5(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Keep level-5 problems whose gold (last boxed answer of the solution) is numeric, in order."""
-    kept = []
+def why_dropped(row: Any) -> str | None:
+    """The reason a row is unusable, or None if it is a level-5 problem with a numeric gold answer."""
+    if not isinstance(row, dict):
+        return "not a JSON object"
+    for key in ("problem", "solution", "level"):
+        if key not in row or row[key] is None:
+            return f"missing {key}"
+        if not isinstance(row[key], str):
+            return f"{key} is not text"
+        if not row[key].strip():
+            return f"empty {key}"
+        if "\x00" in row[key] or "\ufffd" in row[key]:
+            return f"invalid characters in {key}"
+    if row["level"] != LEVEL:
+        return "not level 5"
+    boxed = last_boxed(row["solution"])
+    if boxed is None:
+        return "no boxed answer"
+    return None if parse_number(boxed) is not None else "non-numeric answer"
+
+
+def numeric_level5(rows: list[Any]) -> tuple[list[dict[str, Any]], Counter]:
+    """Keep level-5 problems whose gold (last boxed answer of the solution) is numeric, in order;
+    count the others by reason."""
+    kept, dropped = [], Counter()
     for row in rows:
-        if row.get("level") != LEVEL or not row.get("problem") or not row.get("solution"):
-            continue
-        boxed = last_boxed(row["solution"])
-        gold = parse_number(boxed) if boxed is not None else None
-        if gold is not None:
-            kept.append({**row, "gold": gold, "gold_text": boxed})
-    return kept
+        reason = why_dropped(row)
+        if reason is None:
+            boxed = last_boxed(row["solution"])
+            kept.append({**row, "gold": parse_number(boxed), "gold_text": boxed})
+        else:
+            dropped[reason] += 1
+    return kept, dropped
 
 
 class MathHardTask(SeededSampling):
@@ -148,12 +179,17 @@ class MathHardTask(SeededSampling):
 
     def __init__(self, seed: int = 0, data: str | None = None):
         self.rng = random.Random(seed)
-        self.train_rows = numeric_level5(load_split(data, "train"))
-        self.test_rows = numeric_level5(load_split(data, "test"))
+        self.train_rows, train_dropped = numeric_level5(load_split(data, "train"))
+        self.test_rows, test_dropped = numeric_level5(load_split(data, "test"))
+        self.data_report = {
+            "train": {"kept": len(self.train_rows), "dropped": dict(train_dropped)},
+            "test": {"kept": len(self.test_rows), "dropped": dict(test_dropped)},
+        }
         if not self.train_rows or not self.test_rows:
             raise DataError(
                 f"math_data '{data or HUB_DATASET}': no level-5 problems with numeric answers "
-                f"(train {len(self.train_rows)}, test {len(self.test_rows)})"
+                f"(train kept {len(self.train_rows)}, dropped {dict(train_dropped)}; "
+                f"test kept {len(self.test_rows)}, dropped {dict(test_dropped)})"
             )
 
     @staticmethod

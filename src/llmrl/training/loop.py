@@ -16,8 +16,13 @@ the shuffle generator, which is exactly what a checkpoint holds, so `--resume` c
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import shutil
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,18 +33,18 @@ from tqdm.auto import tqdm
 
 from llmrl.algorithms.core import ADVANTAGE_ESTIMATORS, normalize_advantages, zero_spread_fraction
 from llmrl.algorithms.losses import LOSSES
-from llmrl.checkpoint import CHECKPOINTS, latest_checkpoint, load_checkpoint, save_checkpoint
-from llmrl.config import TrainConfig, save_config
-from llmrl.errors import ConfigError
+from llmrl.checkpoint import CHECKPOINTS, latest_checkpoint, load_checkpoint, remove_stale_temporaries, save_checkpoint
+from llmrl.config import TrainConfig, resume_differences, save_config
+from llmrl.errors import ConfigError, RunStopped
 from llmrl.logger import EVAL_SAMPLES, METRICS, SAMPLES, RunLogger
 from llmrl.models.loading import add_lora, load_base_model, pick_device, pick_dtype
-from llmrl.rollout.sampler import eos_ids, generation_config, rollout
-from llmrl.tasks import Task, make_task
+from llmrl.rollout.sampler import eos_ids, generation_config, prompt_length, rollout
+from llmrl.tasks import Example, Reward, Task, make_task
 from llmrl.training.evaluate import evaluate
 from llmrl.training.update import policy_update, warmup_factor
 
 
-RUN_FILES = ("config.yaml", METRICS, SAMPLES, EVAL_SAMPLES, CHECKPOINTS)
+RUN_FILES = ("config.yaml", "data_report.json", METRICS, SAMPLES, EVAL_SAMPLES, CHECKPOINTS)
 
 
 @dataclass
@@ -76,8 +81,8 @@ def run_eval(cfg: TrainConfig, model, tokenizer, task: Task) -> tuple[dict[str, 
 def reward_metrics(rewards: list, adv: torch.Tensor, rewards_t: torch.Tensor, group_size: int) -> dict[str, float]:
     n = len(rewards)
     out = {"reward/mean": rewards_t.mean().item(), "reward/std": rewards_t.std(unbiased=False).item()}
-    for name in rewards[0].components:
-        out[f"reward/{name}"] = sum(r.components[name] for r in rewards) / n
+    for name in dict.fromkeys(k for r in rewards for k in r.components):
+        out[f"reward/{name}"] = sum(r.components.get(name, 0.0) for r in rewards) / n
     out |= {"adv/mean": adv.mean().item(), "adv/std": adv.std(unbiased=False).item(),
             "adv/min": adv.min().item(), "adv/max": adv.max().item(),
             "rollout/zero_spread_frac": zero_spread_fraction(rewards_t, group_size)}
@@ -85,7 +90,7 @@ def reward_metrics(rewards: list, adv: torch.Tensor, rewards_t: torch.Tensor, gr
 
 
 def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse to mix a new run into an old one: resume it, overwrite it, or pick another directory."""
+    """Refuse to mix a new run into an old one, check the directory is writable, clear dead temporaries."""
     existing = [name for name in RUN_FILES if (run_dir / name).exists()]
     if existing and not resume:
         if not overwrite:
@@ -93,12 +98,93 @@ def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
                               f"use --resume {run_dir}, --overwrite, or another --output_dir")
         for name in existing:
             shutil.rmtree(run_dir / name) if (run_dir / name).is_dir() else (run_dir / name).unlink()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"output_dir {run_dir} is not writable: {e.strerror or e}") from None
+    remove_stale_temporaries(run_dir)
+
+
+def find_resume_checkpoint(cfg: TrainConfig, run_dir: Path) -> Path:
+    """The newest good checkpoint of `run_dir`, after checking `cfg` may continue it."""
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        raise ConfigError(f"--resume {run_dir}: no complete checkpoint under {run_dir / 'checkpoints'}")
+    saved = json.loads((checkpoint / "trainer_state.json").read_text())["config"]
+    differ = resume_differences(saved, cfg)
+    if differ:
+        raise ConfigError(f"--resume {run_dir}: config differs from {checkpoint.name}: {', '.join(differ)}")
+    return checkpoint
+
+
+class StopOnSignal:
+    """SIGINT/SIGTERM: the first asks the loop to stop after the current step (it saves a checkpoint);
+    a second exits at once. Checkpoints are atomic, so exiting mid-save loses nothing either."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopOnSignal":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self.handle)
+        return self
+
+    def handle(self, signum: int, frame: Any) -> None:
+        if self.signal is not None:
+            print(f"\nllmrl: second {signal.Signals(signum).name}: exiting now", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        self.signal = signal.Signals(signum).name
+        print(f"\nllmrl: {self.signal}: stopping after this step (again to exit at once)", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def safe_rewards(task: Task, examples: list[Example], texts: list[str], strict: bool, step: int) -> tuple[list[Reward], int]:
+    """Score every completion; a reward that raises or is not a finite number scores 0 and is counted
+    (with `strict`, it stops the run instead)."""
+    rewards, errors = [], 0
+    for ex, text in zip(examples, texts, strict=True):
+        try:
+            r = task.reward(ex, text)
+            if not math.isfinite(float(r.total)):
+                raise ValueError(f"reward is {r.total}")
+        except Exception as e:  # noqa: BLE001 - a user's reward function may raise anything
+            if strict:
+                raise RunStopped(f"step {step}: the reward function raised {type(e).__name__}: {e} (--strict_rewards); "
+                                 "the last checkpoint is intact") from None
+            errors += 1
+            r = Reward(total=0.0, components={})
+        rewards.append(r)
+    return rewards, errors
+
+
+def draw_prompts(task: Task, tokenizer, cfg: TrainConfig) -> tuple[list[Example], int]:
+    """B prompts; with long_prompts=skip, prompts over max_prompt_tokens are redrawn (counted)."""
+    if cfg.long_prompts == "truncate":
+        return task.sample_train_batch(cfg.batch_size), 0
+    kept: list[Example] = []
+    skipped = 0
+    while len(kept) < cfg.batch_size:
+        for ex in task.sample_train_batch(cfg.batch_size - len(kept)):
+            if prompt_length(tokenizer, ex.messages) <= cfg.max_prompt_tokens:
+                kept.append(ex)
+            else:
+                skipped += 1
+        if skipped > 100 * cfg.batch_size:
+            raise RunStopped(f"long_prompts=skip: {skipped} prompts in a row exceed max_prompt_tokens={cfg.max_prompt_tokens}")
+    return kept, skipped
 
 
 def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> TrainResult:
-    """Train a LoRA policy with `cfg`; with `resume`, continue from the newest checkpoint of output_dir;
-    with `overwrite`, replace a run already in output_dir."""
+    """Train a LoRA policy with `cfg`; with `resume`, continue from the newest good checkpoint of
+    output_dir; with `overwrite`, replace a run already in output_dir."""
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if world != 1:
         raise ConfigError(f"WORLD_SIZE={world}: multi-process training is not implemented yet; run one process")
@@ -106,11 +192,16 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     run_dir = Path(cfg.output_dir)
+    checkpoint = find_resume_checkpoint(cfg, run_dir) if resume else None
     if is_main:
         prepare_run_dir(run_dir, resume, overwrite)
 
     model, tokenizer, device = build_policy(cfg)
     task = make_task(cfg.task, seed=cfg.seed + rank, math_data=cfg.math_data)
+    report = getattr(task, "data_report", None)
+    if report and is_main:
+        print(f"llmrl: {cfg.task} data: {json.dumps(report)}", file=sys.stderr)
+        (run_dir / "data_report.json").write_text(json.dumps(report, indent=1))
     loss_fn, estimator = LOSSES[cfg.algo], ADVANTAGE_ESTIMATORS[cfg.adv_estimator]
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
@@ -122,10 +213,9 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
         repetition_penalty=cfg.repetition_penalty, min_new_tokens=cfg.min_new_tokens, max_new_tokens=cfg.max_new_tokens,
     )
 
-    start, totals = 1, {"optimizer_steps": 0, "skipped_updates": 0, "completions": 0, "train_seconds": 0.0}
-    checkpoint = latest_checkpoint(run_dir) if resume else None
-    if resume and checkpoint is None:
-        raise ConfigError(f"--resume {run_dir}: no complete checkpoint under {run_dir / 'checkpoints'}")
+    start = 1
+    totals = {"optimizer_steps": 0, "skipped_updates": 0, "bad_in_a_row": 0, "reward_errors": 0,
+              "prompts_skipped": 0, "completions": 0, "train_seconds": 0.0}
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, model, optimizer, shuffle)
         scheduler.load_state_dict(state["scheduler"])
@@ -144,10 +234,17 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
         logger.log_samples(step, rows, eval=True)
         return metrics
 
-    def save(step: int) -> None:
-        if is_main:
-            state = {"scheduler": scheduler.state_dict(), "task": task.state_dict(), "totals": totals, "config": cfg.to_dict()}
-            save_checkpoint(run_dir, step, model, optimizer, state, shuffle)
+    def save(step: int) -> Path | None:
+        if not is_main:
+            return None
+        state = {"scheduler": scheduler.state_dict(), "task": task.state_dict(), "totals": totals, "config": cfg.to_dict()}
+        try:
+            return save_checkpoint(run_dir, step, model, optimizer, state, shuffle, keep=cfg.keep_checkpoints)
+        except OSError as e:
+            previous = latest_checkpoint(run_dir, report=lambda _: None)
+            raise RunStopped(f"could not write the checkpoint of step {step}: {e.strerror or e}; "
+                             f"the previous checkpoint ({previous or 'none'}) is intact: fix the cause and "
+                             f"run `llmrl train --resume {run_dir}`") from None
 
     eval_on = (cfg.eval_n if cfg.eval_n is not None else task.eval_n_default) > 0
     if eval_on and cfg.eval_interval > 0 and checkpoint is None:
@@ -155,73 +252,89 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
 
     last: dict[str, Any] = {}
     bar = tqdm(range(start, cfg.steps + 1), initial=start - 1, total=cfg.steps, disable=not is_main, desc="train")
-    for step in bar:
-        # 1-3. sample prompts, complete them G times, score the completions
-        t0 = time.perf_counter()
-        examples = task.sample_train_batch(cfg.batch_size)
-        out = rollout(
-            model, tokenizer, [ex.messages for ex in examples], group_size=cfg.group_size, gen_config=gen_config,
-            max_prompt_tokens=cfg.max_prompt_tokens, seed=step_seed(cfg.seed, step, rank), with_ref=cfg.kl_coef > 0,
-            chunk=cfg.minibatch_size,
-        )
-        owners = [ex for ex in examples for _ in range(cfg.group_size)]  # prompt-major, like the completions
-        rewards = [task.reward(ex, text) for ex, text in zip(owners, out.texts, strict=True)]
-        rewards_t = torch.tensor([r.total for r in rewards], dtype=torch.float32)
-        rollout_s = time.perf_counter() - t0
+    with StopOnSignal() as stop:
+        for step in bar:
+            # 1-3. sample prompts, complete them G times, score the completions
+            t0 = time.perf_counter()
+            examples, prompts_skipped = draw_prompts(task, tokenizer, cfg)
+            out = rollout(
+                model, tokenizer, [ex.messages for ex in examples], group_size=cfg.group_size, gen_config=gen_config,
+                max_prompt_tokens=cfg.max_prompt_tokens, seed=step_seed(cfg.seed, step, rank), with_ref=cfg.kl_coef > 0,
+                chunk=cfg.minibatch_size,
+            )
+            owners = [ex for ex in examples for _ in range(cfg.group_size)]  # prompt-major, like the completions
+            rewards, reward_errors = safe_rewards(task, owners, out.texts, cfg.strict_rewards, step)
+            rewards_t = torch.tensor([r.total for r in rewards], dtype=torch.float32)
+            rollout_s = time.perf_counter() - t0
 
-        # 4. advantages
-        adv = estimator(rewards_t, cfg.group_size)
-        if cfg.normalize_advantages:
-            adv = normalize_advantages(adv)
-        adv = adv.clamp(-cfg.adv_clip, cfg.adv_clip)
+            # 4. advantages
+            adv = estimator(rewards_t, cfg.group_size)
+            if cfg.normalize_advantages:
+                adv = normalize_advantages(adv)
+            adv = adv.clamp(-cfg.adv_clip, cfg.adv_clip)
 
-        # 5. update
-        t0 = time.perf_counter()
-        batch = {"input_ids": out.input_ids, "attention_mask": out.attention_mask, "completion_mask": out.completion_mask,
-                 "logp_old": out.logp_old, "adv": adv.to(device)}
-        if out.logp_ref is not None:
-            batch["logp_ref"] = out.logp_ref
-        stats = policy_update(
-            model, optimizer, scheduler, batch, prompt_len=out.prompt_len, loss_fn=loss_fn, ppo_epochs=cfg.ppo_epochs,
-            minibatch_size=cfg.minibatch_size, grad_accum_steps=cfg.grad_accum_steps, clip_eps=cfg.clip_eps,
-            kl_coef=cfg.kl_coef, max_grad_norm=cfg.max_grad_norm, generator=shuffle,
-        )
-        update_s = time.perf_counter() - t0
+            # 5. update
+            t0 = time.perf_counter()
+            batch = {"input_ids": out.input_ids, "attention_mask": out.attention_mask, "completion_mask": out.completion_mask,
+                     "logp_old": out.logp_old, "adv": adv.to(device)}
+            if out.logp_ref is not None:
+                batch["logp_ref"] = out.logp_ref
+            stats = policy_update(
+                model, optimizer, scheduler, batch, prompt_len=out.prompt_len, loss_fn=loss_fn, ppo_epochs=cfg.ppo_epochs,
+                minibatch_size=cfg.minibatch_size, grad_accum_steps=cfg.grad_accum_steps, clip_eps=cfg.clip_eps,
+                kl_coef=cfg.kl_coef, max_grad_norm=cfg.max_grad_norm, generator=shuffle,
+            )
+            update_s = time.perf_counter() - t0
 
-        # 6. log
-        totals["optimizer_steps"] += stats.pop("optimizer_steps")
-        totals["skipped_updates"] += stats.pop("skipped_updates")
-        totals["completions"] += len(rewards)
-        totals["train_seconds"] += rollout_s + update_s
-        lengths = out.completion_lens.float()
-        last = {
-            **reward_metrics(rewards, adv, rewards_t, cfg.group_size),
-            **{f"train/{k}": v for k, v in stats.items()},
-            "train/optimizer_steps": totals["optimizer_steps"],
-            "train/skipped_updates": totals["skipped_updates"],
-            "rollout/completion_len": lengths.mean().item(),
-            "rollout/completion_len_max": lengths.max().item(),
-            "rollout/truncated_frac": (~out.ended).float().mean().item(),
-            "rollout/prompts_truncated": out.prompts_truncated,
-            "rollout/completions": totals["completions"],
-            "time/rollout_s": rollout_s,
-            "time/update_s": update_s,
-            "time/train_s": totals["train_seconds"],
-        }
-        logger.log(step, last)
-        if cfg.sample_log_interval and step % cfg.sample_log_interval == 0:
-            logger.log_samples(step, [
-                {"prompt": ex.messages[-1]["content"], "answer": ex.answer, "completion": text, "reward": r.total,
-                 "components": r.components, "advantage": a, "ended": bool(e)}
-                for ex, text, r, a, e in zip(owners, out.texts, rewards, adv.tolist(), out.ended.tolist())
-            ])
-        bar.set_postfix(reward=f"{last['reward/mean']:.3f}", kl=f"{last['train/kl']:.4f}", loss=f"{last['train/loss']:.4f}")
+            # 6. log
+            steps_taken, skipped, trailing = stats.pop("optimizer_steps"), stats.pop("skipped_updates"), stats.pop("trailing_skips")
+            totals["bad_in_a_row"] = trailing if steps_taken else totals["bad_in_a_row"] + skipped
+            totals["optimizer_steps"] += steps_taken
+            totals["skipped_updates"] += skipped
+            totals["reward_errors"] += reward_errors
+            totals["prompts_skipped"] += prompts_skipped
+            totals["completions"] += len(rewards)
+            totals["train_seconds"] += rollout_s + update_s
+            lengths = out.completion_lens.float()
+            last = {
+                **reward_metrics(rewards, adv, rewards_t, cfg.group_size),
+                **{f"train/{k}": v for k, v in stats.items()},
+                "train/optimizer_steps": totals["optimizer_steps"],
+                "train/skipped_updates": totals["skipped_updates"],
+                "reward/errors": totals["reward_errors"],
+                "rollout/completion_len": lengths.mean().item(),
+                "rollout/completion_len_max": lengths.max().item(),
+                "rollout/truncated_frac": (~out.ended).float().mean().item(),
+                "rollout/prompts_truncated": out.prompts_truncated,
+                "rollout/prompts_skipped": totals["prompts_skipped"],
+                "rollout/completions": totals["completions"],
+                "time/rollout_s": rollout_s,
+                "time/update_s": update_s,
+                "time/train_s": totals["train_seconds"],
+            }
+            logger.log(step, last)
+            if cfg.sample_log_interval and step % cfg.sample_log_interval == 0:
+                logger.log_samples(step, [
+                    {"prompt": ex.messages[-1]["content"], "answer": ex.answer, "completion": text, "reward": r.total,
+                     "components": r.components, "advantage": a, "ended": bool(e)}
+                    for ex, text, r, a, e in zip(owners, out.texts, rewards, adv.tolist(), out.ended.tolist())
+                ])
+            bar.set_postfix(reward=f"{last['reward/mean']:.3f}", kl=f"{last['train/kl']:.4f}", loss=f"{last['train/loss']:.4f}")
 
-        # 7. eval, 8. save
-        final = step == cfg.steps
-        if eval_on and (final or (cfg.eval_interval and step % cfg.eval_interval == 0)):
-            last |= evaluate_and_log(step)
-        if final or (cfg.save_interval and step % cfg.save_interval == 0):
-            save(step)
+            # 7. eval, 8. save
+            final = step == cfg.steps
+            if totals["bad_in_a_row"] >= cfg.max_bad_steps:
+                path = save(step)
+                raise RunStopped(f"step {step}: {totals['bad_in_a_row']} non-finite updates in a row (max_bad_steps="
+                                 f"{cfg.max_bad_steps}); parameters are the last good ones, saved in {path}")
+            if eval_on and (final or (cfg.eval_interval and step % cfg.eval_interval == 0)):
+                last |= evaluate_and_log(step)
+            if final or (cfg.save_interval and step % cfg.save_interval == 0) or stop.signal:
+                path = save(step)
+            if stop.signal and not final:
+                bar.close()
+                print(f"llmrl: stopped by {stop.signal} after step {step}; checkpoint {path}\n"
+                      f"llmrl: resume with: llmrl train --resume {run_dir}", file=sys.stderr, flush=True)
+                break
     logger.close()
     return TrainResult(model=model, tokenizer=tokenizer, run_dir=run_dir, last_metrics=last)

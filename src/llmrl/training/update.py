@@ -62,13 +62,14 @@ def policy_update(
     minibatches and one more for a remainder at the end of each pass. A non-finite loss or gradient
     norm skips that optimizer step (counted in `skipped_updates`).
     Returns means over minibatches of loss, pg, kl, clip_frac, entropy; grad_norm mean over steps;
-    lr of the last optimizer step; counts of optimizer steps taken and skipped.
+    lr of the last optimizer step; counts of optimizer steps taken and skipped, and of skips since
+    the last step taken.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     sums: dict[str, float] = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
     grad_norms: list[float] = []
     lr = float("nan")  # the learning rate of the last optimizer step taken
-    minibatches = optimizer_steps = skipped = 0
+    minibatches = optimizer_steps = skipped = trailing = 0  # trailing: skips since the last step taken
     model.train()
     for _epoch in range(ppo_epochs):
         pending = 0  # minibatches accumulated since the last optimizer step
@@ -96,7 +97,9 @@ def policy_update(
                 norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
                 if bad or not math.isfinite(norm):
                     skipped += 1
+                    trailing += 1
                 else:
+                    trailing = 0
                     lr = optimizer.param_groups[0]["lr"]
                     optimizer.step()
                     scheduler.step()
@@ -109,4 +112,5 @@ def policy_update(
     out["lr"] = lr
     out["optimizer_steps"] = optimizer_steps
     out["skipped_updates"] = skipped
+    out["trailing_skips"] = trailing
     return out

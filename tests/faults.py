@@ -1,0 +1,96 @@
+"""Run the real `llmrl` CLI in this process with one injected fault, for the fault-injection tests.
+
+    python tests/faults.py FAULT@N llmrl-args...
+
+FAULT@N fires on the N-th occurrence in this process:
+  kill_in_rollout  SIGKILL at the start of the N-th rollout
+  kill_in_save     SIGKILL in the N-th checkpoint save, after the adapter and optimizer are written
+  kill_after_save  SIGKILL right after the N-th checkpoint is complete
+  kill_in_log      SIGKILL after writing half of the N-th metrics line
+  enospc_in_save   the N-th checkpoint save fails with "No space left on device"
+  slow_rollout     every rollout first sleeps one second (N unused)
+"""
+
+import errno
+import os
+import signal
+import sys
+import time
+
+import torch
+
+import llmrl.checkpoint
+import llmrl.logger
+import llmrl.training.loop
+from llmrl.cli import main
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def inject(fault: str, n: int) -> None:
+    count = {"n": 0}
+
+    def hit() -> bool:
+        count["n"] += 1
+        return count["n"] == n
+
+    if fault == "kill_in_rollout":
+        real = llmrl.training.loop.rollout
+
+        def rollout(*a, **k):
+            if hit():
+                die()
+            return real(*a, **k)
+
+        llmrl.training.loop.rollout = rollout
+    elif fault in ("kill_in_save", "enospc_in_save"):
+        real_save = torch.save
+
+        def save(obj, f, *a, **k):
+            if str(f).endswith("rng.pt") and hit():
+                if fault == "kill_in_save":
+                    die()
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_save(obj, f, *a, **k)
+
+        llmrl.checkpoint.torch.save = save
+    elif fault == "kill_after_save":
+        real_ckpt = llmrl.training.loop.save_checkpoint
+
+        def save_checkpoint(*a, **k):
+            path = real_ckpt(*a, **k)
+            if hit():
+                die()
+            return path
+
+        llmrl.training.loop.save_checkpoint = save_checkpoint
+    elif fault == "kill_in_log":
+        real_append = llmrl.logger.RunLogger._append
+
+        def _append(self, file, rows):
+            if file == llmrl.logger.METRICS and hit():
+                with open(self.run_dir / file, "a") as f:
+                    f.write('{"step": 99, "reward/me')
+                    f.flush()
+                die()
+            return real_append(self, file, rows)
+
+        llmrl.logger.RunLogger._append = _append
+    elif fault == "slow_rollout":
+        real_rollout = llmrl.training.loop.rollout
+
+        def slow(*a, **k):
+            time.sleep(1.0)
+            return real_rollout(*a, **k)
+
+        llmrl.training.loop.rollout = slow
+    elif fault != "none":
+        raise SystemExit(f"unknown fault {fault}")
+
+
+if __name__ == "__main__":
+    name, _, at = sys.argv[1].partition("@")
+    inject(name, int(at or 1))
+    sys.exit(main(sys.argv[2:]))
