@@ -58,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--config", help="YAML file of config fields")
     ev.add_argument("--output", metavar="FILE", help="write the graded completions to this JSONL file")
     add_config_options(ev)
+
+    gr = sub.add_parser("grade", help="grade completions against gold math answers (math-verify)",
+                        description="Grade JSONL lines {completion, gold | solution} with math-verify, in bounded time.")
+    gr.add_argument("--input", required=True, metavar="FILE", help="JSONL: `completion` and `gold` (an answer) or `solution` per line")
+    gr.add_argument("--output", required=True, metavar="FILE", help="JSONL: each input line plus correct, extracted, gold_extracted, status")
+    gr.add_argument("--time_limit", type=float, default=5.0, help="seconds per verdict before it counts as a timeout (default: 5)")
+    gr.add_argument("--workers", type=int, default=2, help="grading processes (default: 2)")
     return parser
 
 
@@ -85,7 +92,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     from llmrl.checkpoint import latest_checkpoint
-    from llmrl.tasks import make_task
+    from llmrl.tasks import task_from_config
     from llmrl.training.loop import build_policy, run_eval
 
     overrides = overrides_from(args)
@@ -107,7 +114,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         from safetensors.torch import load_file
 
         set_peft_model_state_dict(model, load_file(adapter / "adapter_model.safetensors"))
-    task = make_task(cfg.task, seed=cfg.seed, math_data=cfg.math_data)
+    task = task_from_config(cfg)
     if adapter is None:
         with model.disable_adapter():
             metrics, rows = run_eval(cfg, model, tokenizer, task)
@@ -120,12 +127,29 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_grade(args: argparse.Namespace) -> int:
+    from llmrl.grading import grade_file
+
+    if not Path(args.input).is_file():
+        raise ConfigError(f"--input {args.input}: no such file")
+    if args.time_limit <= 0 or args.workers < 1:
+        raise ConfigError("--time_limit must be positive and --workers at least 1")
+    try:
+        summary = grade_file(args.input, args.output, time_limit=args.time_limit, workers=args.workers)
+    except OSError as e:
+        raise ConfigError(f"--output {args.output}: {e.strerror or e}") from None
+    print(f"llmrl grade: {summary['graded']} graded, {summary['correct']} correct, {summary['ok']} ok, "
+          f"{summary['no_answer']} no_answer, {summary['timeout']} timeout, {summary['error']} error; "
+          f"{summary['seconds']} s, {summary['per_second']} completions/s")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if getattr(args, "config", None):
             read_yaml(args.config)  # report a bad file before anything heavy
-        return {"train": cmd_train, "eval": cmd_eval}[args.command](args)
+        return {"train": cmd_train, "eval": cmd_eval, "grade": cmd_grade}[args.command](args)
     except RunStopped as e:
         print(f"llmrl: stopped: {e}", file=sys.stderr)
         return 1

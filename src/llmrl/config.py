@@ -35,6 +35,9 @@ class TrainConfig:
     task: str = doc("format_copy", "task name from the registry: format_copy or math_hard")
     algo: str = doc("grpo", "algorithm (loss) name: grpo or reinforce")
     math_data: str | None = doc(None, "local MATH JSONL/Parquet file or directory (default: the hub dataset)")
+    math_reward: str = doc("seed", "math_hard reward: seed (numeric answers only, SPEC.md) or verify (math-verify, every answer type)")
+    grade_time_limit: float = doc(5.0, "seconds one math-verify verdict may take before it counts as a timeout (reward 0)")
+    grade_workers: int = doc(2, "grading worker processes for math_reward=verify")
     steps: int = doc(1200, "number of RL steps (each: sample, reward, update)")
     seed: int = doc(0, "seed for the task sampler, generation, minibatch shuffling and LoRA init")
     output_dir: str = doc("runs/default", "run directory: config, metrics, samples, checkpoints")
@@ -111,7 +114,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 RESUME_MAY_CHANGE = {
     "steps", "output_dir", "eval_interval", "eval_n", "eval_batch_size", "eval_max_new_tokens", "save_interval",
     "keep_checkpoints", "sample_log_interval", "max_bad_steps", "strict_rewards", "wandb", "wandb_project",
-    "run_name", "num_threads", "device",
+    "run_name", "num_threads", "device", "grade_time_limit", "grade_workers",
 }
 
 
@@ -207,6 +210,9 @@ def validate(cfg: TrainConfig) -> None:
     rule(cfg.batch_size % world == 0, "batch_size", f"must be divisible by the world size {world}")
     rule(cfg.device == "auto" or cfg.device == "cpu" or cfg.device.startswith("cuda"), "device", "must be auto, cpu, cuda or cuda:N")
     rule(cfg.long_prompts in ("truncate", "skip"), "long_prompts", "must be truncate or skip")
+    rule(cfg.math_reward in ("seed", "verify"), "math_reward", "must be seed or verify")
+    rule(cfg.grade_time_limit > 0, "grade_time_limit", "must be positive")
+    rule(cfg.grade_workers >= 1, "grade_workers", "must be at least 1")
     rule(cfg.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", "must be auto, float32, bfloat16 or float16")
     rule(cfg.math_data is None or Path(cfg.math_data).exists(), "math_data", "no such file or directory")
     if cfg.wandb:

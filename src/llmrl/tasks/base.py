@@ -18,10 +18,13 @@ class Example:
 
 @dataclass
 class Reward:
-    """A scored completion: `total` is the sum of `components` (each logged as reward/<name>)."""
+    """A scored completion: `total` is the sum of `components` (each logged as reward/<name>, the
+    mean over the step); `counts` are diagnostics outside the reward (logged as reward/<name>, summed
+    over the step), e.g. grading timeouts."""
 
     total: float
     components: dict[str, float]
+    counts: dict[str, int] = field(default_factory=dict)
 
 
 class Task(Protocol):
@@ -33,6 +36,9 @@ class Task(Protocol):
     def eval_examples(self, n: int) -> list[Example]: ...
 
     def reward(self, example: Example, completion: str) -> Reward: ...
+
+    # Optional: `reward_batch(examples, completions) -> list[Reward]`, used instead of `reward` when a
+    # task can grade a whole step at once (math_hard's verify mode grades on all cores).
 
     def evaluate(self, examples: list[Example], completions: list[str]) -> dict[str, float]: ...
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmrl import grading
 from llmrl.errors import DataError
 from llmrl.tasks.base import Example, Reward, SeededSampling, mean_of
 
@@ -34,20 +35,9 @@ _SPACING = re.compile(r"\\[!,;: ]|\$|\s")
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{…}` with balanced braces; None if absent or unclosed."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    i = start + len("\\boxed{")
-    depth = 1
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i:j]
-    return None
+    """The seed's extraction: content of the last `\\boxed{…}` with balanced braces; None if absent
+    or unclosed."""
+    return grading.last_boxed(text, commands=("\\boxed",))
 
 
 def parse_number(s: str) -> float | None:
@@ -138,8 +128,9 @@ def load_split(source: str | None, split: str) -> list[dict[str, Any]]:
     return [r for r in read_rows(path) if not isinstance(r, dict) or r.get("split", split) == split]
 
 
-def why_dropped(row: Any) -> str | None:
-    """The reason a row is unusable, or None if it is a level-5 problem with a numeric gold answer."""
+def why_dropped(row: Any, numeric: bool = True) -> str | None:
+    """The reason a row is unusable, or None if it is a level-5 problem with a boxed gold answer (a
+    numeric one when `numeric`, the seed's rule)."""
     if not isinstance(row, dict):
         return "not a JSON object"
     for key in ("problem", "solution", "level"):
@@ -153,41 +144,65 @@ def why_dropped(row: Any) -> str | None:
             return f"invalid characters in {key}"
     if row["level"] != LEVEL:
         return "not level 5"
-    boxed = last_boxed(row["solution"])
+    boxed = last_boxed(row["solution"]) if numeric else grading.gold_from_solution(row["solution"])
     if boxed is None:
         return "no boxed answer"
-    return None if parse_number(boxed) is not None else "non-numeric answer"
+    if numeric and parse_number(boxed) is None:
+        return "non-numeric answer"
+    return None
 
 
-def numeric_level5(rows: list[Any]) -> tuple[list[dict[str, Any]], Counter]:
-    """Keep level-5 problems whose gold (last boxed answer of the solution) is numeric, in order;
-    count the others by reason."""
+def level5(rows: list[Any], mode: str = "seed", time_limit: float = grading.DEFAULT_TIME_LIMIT,
+           workers: int | None = None) -> tuple[list[dict[str, Any]], Counter]:
+    """Keep the usable level-5 problems in order, with `gold` and `gold_text`; count the others by
+    reason. seed: numeric golds only (gold is a float). verify: every gold math-verify can read
+    (gold is the answer text)."""
     kept, dropped = [], Counter()
     for row in rows:
-        reason = why_dropped(row)
-        if reason is None:
+        reason = why_dropped(row, numeric=mode == "seed")
+        if reason is not None:
+            dropped[reason] += 1
+        elif mode == "seed":
             boxed = last_boxed(row["solution"])
             kept.append({**row, "gold": parse_number(boxed), "gold_text": boxed})
         else:
-            dropped[reason] += 1
+            boxed = grading.gold_from_solution(row["solution"])
+            kept.append({**row, "gold": boxed, "gold_text": boxed})
+    if mode == "verify" and kept:
+        readable = grading.gold_parses([row["gold"] for row in kept], time_limit=time_limit, workers=workers)
+        dropped["gold answer unreadable by math-verify"] += readable.count(False)
+        kept = [row for row, ok in zip(kept, readable) if ok]
+        dropped = +dropped  # drop zero counts
     return kept, dropped
 
 
+def numeric_level5(rows: list[Any]) -> tuple[list[dict[str, Any]], Counter]:
+    """The seed's pool: level-5 problems whose gold (last boxed answer of the solution) is numeric."""
+    return level5(rows, "seed")
+
+
 class MathHardTask(SeededSampling):
+    """Level-5 MATH. reward="seed": SPEC.md's numeric reward (max 1.1); reward="verify": +0.1 for a
+    boxed answer, +1.0 if math-verify finds it equivalent to the gold (every answer type)."""
+
     name = "math_hard"
     eval_n_default = 512
 
-    def __init__(self, seed: int = 0, data: str | None = None):
+    def __init__(self, seed: int = 0, data: str | None = None, reward: str = "seed",
+                 time_limit: float = grading.DEFAULT_TIME_LIMIT, workers: int | None = None):
         self.rng = random.Random(seed)
-        self.train_rows, train_dropped = numeric_level5(load_split(data, "train"))
-        self.test_rows, test_dropped = numeric_level5(load_split(data, "test"))
+        self.mode, self.time_limit, self.workers = reward, time_limit, workers
+        self.train_rows, train_dropped = level5(load_split(data, "train"), reward, time_limit, workers)
+        self.test_rows, test_dropped = level5(load_split(data, "test"), reward, time_limit, workers)
         self.data_report = {
+            "reward": reward,
             "train": {"kept": len(self.train_rows), "dropped": dict(train_dropped)},
             "test": {"kept": len(self.test_rows), "dropped": dict(test_dropped)},
         }
         if not self.train_rows or not self.test_rows:
+            kind = "numeric answers" if reward == "seed" else "answers math-verify can read"
             raise DataError(
-                f"math_data '{data or HUB_DATASET}': no level-5 problems with numeric answers "
+                f"math_data '{data or HUB_DATASET}': no level-5 problems with {kind} "
                 f"(train kept {len(self.train_rows)}, dropped {dict(train_dropped)}; "
                 f"test kept {len(self.test_rows)}, dropped {dict(test_dropped)})"
             )
@@ -206,7 +221,27 @@ class MathHardTask(SeededSampling):
     def eval_examples(self, n: int) -> list[Example]:
         return [self.example(r) for r in self.test_rows[:n]]
 
+    def verdicts(self, examples: list[Example], completions: list[str]) -> list[grading.Verdict]:
+        """math-verify verdicts; the last batch is remembered (eval asks for rewards and metrics)."""
+        items = [(c, ex.answer) for ex, c in zip(examples, completions, strict=True)]
+        if getattr(self, "_last", (None,))[0] != items:
+            self._last = (items, grading.grade_batch(items, time_limit=self.time_limit, workers=self.workers))
+        return self._last[1]
+
+    @staticmethod
+    def verify_reward(v: grading.Verdict) -> Reward:
+        components = {"boxed": 0.1 * (v.extracted is not None), "correct": 1.0 * v.correct}
+        counts = {"grade_timeouts": int(v.status == "timeout"), "grade_errors": int(v.status == "error")}
+        return Reward(total=sum(components.values()), components=components, counts=counts)
+
+    def reward_batch(self, examples: list[Example], completions: list[str]) -> list[Reward]:
+        if self.mode == "verify":
+            return [self.verify_reward(v) for v in self.verdicts(examples, completions)]
+        return [self.reward(ex, c) for ex, c in zip(examples, completions, strict=True)]
+
     def reward(self, example: Example, completion: str) -> Reward:
+        if self.mode == "verify":
+            return self.verify_reward(self.verdicts([example], [completion])[0])
         g = grade(completion, example.answer)
         components = {
             "boxed": 0.1 * g.boxed,
@@ -216,6 +251,13 @@ class MathHardTask(SeededSampling):
         return Reward(total=sum(components.values()), components=components)
 
     def evaluate(self, examples: list[Example], completions: list[str]) -> dict[str, float]:
+        if self.mode == "verify":
+            verdicts = self.verdicts(examples, completions)
+            return {
+                "correct": mean_of([v.correct for v in verdicts]),
+                "boxed_rate": mean_of([v.extracted is not None for v in verdicts]),
+                "grade_timeouts": float(sum(v.status == "timeout" for v in verdicts)),
+            }
         grades = [grade(c, ex.answer) for ex, c in zip(examples, completions, strict=True)]
         return {
             "boxed_exact": mean_of([g.boxed_exact for g in grades]),

@@ -35,7 +35,10 @@ def evaluate(
         texts += decode_completions(tokenizer, sequences[:, ids.shape[1] :], cmask.sum(1), ended)
         truncated += int((~ended).sum())
     model.train(was_training)
-    rewards = [task.reward(ex, t) for ex, t in zip(examples, texts, strict=True)]
+    if hasattr(task, "reward_batch"):
+        rewards = task.reward_batch(examples, texts)
+    else:
+        rewards = [task.reward(ex, t) for ex, t in zip(examples, texts, strict=True)]
     metrics = {f"eval/{k}": v for k, v in task.evaluate(examples, texts).items()}
     n = max(len(examples), 1)
     metrics["eval/reward"] = sum(r.total for r in rewards) / n

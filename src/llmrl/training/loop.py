@@ -39,7 +39,7 @@ from llmrl.errors import ConfigError, RunStopped
 from llmrl.logger import EVAL_SAMPLES, METRICS, SAMPLES, RunLogger
 from llmrl.models.loading import add_lora, load_base_model, pick_device, pick_dtype
 from llmrl.rollout.sampler import eos_ids, generation_config, prompt_length, rollout
-from llmrl.tasks import Example, Reward, Task, make_task
+from llmrl.tasks import Example, Reward, Task, task_from_config
 from llmrl.training.evaluate import evaluate
 from llmrl.training.update import policy_update, warmup_factor
 
@@ -83,6 +83,8 @@ def reward_metrics(rewards: list, adv: torch.Tensor, rewards_t: torch.Tensor, gr
     out = {"reward/mean": rewards_t.mean().item(), "reward/std": rewards_t.std(unbiased=False).item()}
     for name in dict.fromkeys(k for r in rewards for k in r.components):
         out[f"reward/{name}"] = sum(r.components.get(name, 0.0) for r in rewards) / n
+    for name in dict.fromkeys(k for r in rewards for k in r.counts):
+        out[f"reward/{name}"] = sum(r.counts.get(name, 0) for r in rewards)
     out |= {"adv/mean": adv.mean().item(), "adv/std": adv.std(unbiased=False).item(),
             "adv/min": adv.min().item(), "adv/max": adv.max().item(),
             "rollout/zero_spread_frac": zero_spread_fraction(rewards_t, group_size)}
@@ -147,8 +149,15 @@ class StopOnSignal:
 
 
 def safe_rewards(task: Task, examples: list[Example], texts: list[str], strict: bool, step: int) -> tuple[list[Reward], int]:
-    """Score every completion; a reward that raises or is not a finite number scores 0 and is counted
-    (with `strict`, it stops the run instead)."""
+    """Score every completion (all at once if the task has `reward_batch`); a reward that raises or is
+    not a finite number scores 0 and is counted (with `strict`, it stops the run instead)."""
+    if hasattr(task, "reward_batch"):
+        try:
+            rewards = task.reward_batch(examples, texts)
+            if len(rewards) == len(texts) and all(math.isfinite(float(r.total)) for r in rewards):
+                return rewards, 0
+        except Exception:  # noqa: BLE001 - find which completion fails, one by one
+            pass
     rewards, errors = [], 0
     for ex, text in zip(examples, texts, strict=True):
         try:
@@ -197,7 +206,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
         prepare_run_dir(run_dir, resume, overwrite)
 
     model, tokenizer, device = build_policy(cfg)
-    task = make_task(cfg.task, seed=cfg.seed + rank, math_data=cfg.math_data)
+    task = task_from_config(cfg, rank)
     report = getattr(task, "data_report", None)
     if report and is_main:
         print(f"llmrl: {cfg.task} data: {json.dumps(report)}", file=sys.stderr)

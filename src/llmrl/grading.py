@@ -1,0 +1,421 @@
+"""Grading math answers: extract the boxed answer, decide equivalence with math-verify, in bounded time.
+
+    verdicts = grade_batch([(completion, gold), ...])      # gold: an answer, e.g. "\\frac{1}{2}"
+    verdicts[0].correct, .extracted, .gold_extracted, .status   # status: ok | no_answer | timeout | error
+
+Extraction is ours (fast, linear in the text): `<think>` blocks are dropped, then the last
+`\\boxed{…}` / `\\fbox{…}` with balanced braces is the answer. Only that answer (never the whole
+completion) goes to math-verify, which runs in worker processes of a `GradingPool`: each verdict has a
+hard wall-clock limit enforced by killing the worker, so it works from any thread (math-verify's own
+timeout uses SIGALRM, which only works on the main thread; we turn it off). A timeout, an exception or
+a crashed worker gives `correct=False` with its status, never an exception to the caller.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import re
+import select
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+BOX_COMMANDS = ("\\boxed", "\\fbox")
+MAX_ANSWER_CHARS = 100_000  # longer "answers" are not graded (status error)
+DEFAULT_TIME_LIMIT = 5.0
+WORKER_MEMORY_BYTES = 4 << 30  # address-space cap of a grading worker (sympy can explode on 10^10^10)
+
+_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    correct: bool
+    extracted: str | None  # the model's answer (content of its last boxed), None if absent
+    gold_extracted: str | None  # the gold answer that was compared
+    status: str  # ok | no_answer | timeout | error
+
+
+# ----------------------------------------------------------------------------- extraction (pure)
+
+
+def strip_think(text: str) -> str:
+    """The text without `<think>…</think>` blocks; an unclosed `<think>` hides everything after it."""
+    text = _THINK.sub("", text)
+    cut = text.find("<think>")
+    return text if cut < 0 else text[:cut]
+
+
+def last_boxed(text: str, commands: tuple[str, ...] = BOX_COMMANDS) -> str | None:
+    """Content of the last `\\boxed{…}` (or `\\fbox{…}`) with balanced braces; None if there is
+    none or the last one is unclosed. With commands=("\\boxed",) this is the seed's extraction."""
+    opens = [i + len(command) for command in commands if (i := text.rfind(command + "{")) >= 0]
+    if not opens:
+        return None
+    start = max(opens)  # index of the opening brace
+    depth = 0
+    for j in range(start, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start + 1 : j]
+    return None
+
+
+def extract_answer(completion: str) -> str | None:
+    """The model's final answer: the last boxed content outside `<think>` blocks, stripped; None if
+    there is none or it is empty."""
+    content = last_boxed(strip_think(completion))
+    return content.strip() or None if content is not None else None
+
+
+def gold_from_solution(solution: str) -> str | None:
+    """The gold answer of a MATH solution: its last `\\boxed{…}`/`\\fbox{…}`."""
+    content = last_boxed(solution)
+    return content.strip() or None if content is not None else None
+
+
+# ----------------------------------------------------------------------------- normalisation (pure)
+
+_TEXT_WRAPPERS = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
+_UNITS = (
+    r"(?:cm|mm|km|m|meters?|centimeters?|inch(?:es)?|in|feet|foot|ft|yards?|miles?|units?|"
+    r"square|sq|cubic|degrees?|seconds?|minutes?|hours?|days?|weeks?|years?|dollars?|cents?|"
+    r"pounds?|ounces?|grams?|kg|g|liters?|mph|points?|people|students?|ways?|inches)"
+)
+_UNIT_TAIL = re.compile(r"\s*(?:\\\s|~)*\\(?:text|mbox|mathrm)\s*\{\s*" + _UNITS + r"(?:\s+" + _UNITS + r")*\s*\}(\^\{?[23]\}?)?\s*$")
+_DEGREE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|°|\\degree")
+_SPACES = re.compile(r"\\\\|\\[,;:! ]|\\quad|\\qquad|~")  # `\\\\` (a matrix row break) is kept
+_THOUSANDS = re.compile(r"(?<=\d)(?:\\,|\\!|\{,\}|,\\!)(?=\d{3}(?!\d))")
+_LOOSE_SPACE = re.compile(r"\s+(?![A-Za-z])|(?<![A-Za-z])\s+")  # spaces are kept only between letters
+_DOLLARS = re.compile(r"^\$+|\$+$")
+_LEFT_RIGHT = re.compile(r"\\(?:left|right|big|Big|bigg|Bigg)(?=[()\[\]|.]|\\[{}|])")
+_VAR_PREFIX = re.compile(r"^\s*(?:[a-zA-Z](?:_\{?\w+\}?)?|\\[a-zA-Z]+)\s*(?:=|\\in)\s*(?=\S)")
+_DFRAC = re.compile(r"\\[dt]frac")
+
+
+def _spacing(m: re.Match) -> str:
+    token = m.group(0)
+    return token if token == "\\\\" else "" if token == "\\!" else " "
+
+
+def normalize(answer: str, drop_prefix: bool = True) -> str:
+    """A canonical spelling of an answer for string comparison and for math-verify: no `$`, spacing
+    commands, `\\left`/`\\right`, degree signs, percent signs, thousands separators, trailing unit
+    words, spaces except between letters, or (with drop_prefix) `x =`/`x \\in` prefixes. MATH
+    convention: none of these change the answer."""
+    s = answer.strip()
+    s = _DOLLARS.sub("", s).strip()
+    s = _THOUSANDS.sub("", s)
+    s = _SPACES.sub(_spacing, s)
+    s = _LEFT_RIGHT.sub("", s)
+    s = _DFRAC.sub(r"\\frac", s)
+    s = _DEGREE.sub("", s)
+    s = s.replace("\\%", "").replace("%", "")
+    s = _UNIT_TAIL.sub("", s)
+    if drop_prefix and (m := _VAR_PREFIX.match(s)) and "=" not in s[m.end():]:
+        s = s[m.end():]  # `x = 3`, `x \\in [2,5)`; but not `x=1, y=2`
+    s = _LOOSE_SPACE.sub("", s.strip())
+    if re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s):
+        s = s.replace(",", "")  # 1,000 (but `1, 2` is a list)
+    return s
+
+
+def text_answer(s: str) -> tuple[str, bool] | None:
+    """A plain-text answer (`\\text{Monday}`, `(C)`, `even`) as (lower-case words, was it wrapped in
+    `\\text{}`), or None if it has anything but letters, spaces and punctuation."""
+    inner = _TEXT_WRAPPERS.sub(lambda m: m.group(1), s).strip()
+    if not re.fullmatch(r"\(?[A-Za-z][A-Za-z \-',.]*\)?", inner):
+        return None
+    return inner.strip("()").strip().lower(), inner != s
+
+
+def same_text(a: str, b: str) -> bool | None:
+    """Text answers are compared as words when both are text and one was written as `\\text{}`
+    (otherwise `xy` is a product of variables); None when this rule does not apply."""
+    ta, tb = text_answer(a), text_answer(b)
+    if ta is None or tb is None or not (ta[1] or tb[1]):
+        return None
+    return ta[0] == tb[0]
+
+
+# ----------------------------------------------------------------------------- math-verify (in workers)
+
+
+def _mv_parse(answer: str) -> list:
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+
+    return parse(
+        "\\boxed{" + answer + "}",
+        extraction_config=[LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()],
+        parsing_timeout=None,  # type: ignore[arg-type] - our worker pool enforces the time limit
+    )
+
+
+def judge(pred: str, gold: str) -> bool:
+    """Are two extracted answers equivalent? (Runs in a grading worker: may be slow or crash.)"""
+    a, b = normalize(pred), normalize(gold)
+    if a == b:
+        return True
+    if "=" in pred + gold and _judge_math(normalize(pred, drop_prefix=False), normalize(gold, drop_prefix=False)):
+        return True  # equations compared as equations: `y=2x+1` and `2x-y+1=0`
+    return _judge_math(a, b)
+
+
+def _judge_math(a: str, b: str) -> bool:
+    """Normalised answers compared as words (text answers) or by math-verify."""
+    if (words := same_text(a, b)) is not None:
+        return words
+    from math_verify import verify
+
+    gold_parsed, pred_parsed = _mv_parse(b), _mv_parse(a)
+    if not gold_parsed or not pred_parsed:
+        return False
+    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))  # type: ignore[arg-type]
+
+
+def parses(gold: str) -> bool:
+    """Can math-verify (or the text rule) read this gold answer at all?"""
+    s = normalize(gold)
+    return bool(s) and (text_answer(s) is not None or bool(_mv_parse(s)))
+
+
+WORKER_FUNCTIONS = {"judge": judge, "parses": parses}
+
+
+def _worker_main() -> None:
+    """A grading worker (`python -c ...`): read JSON lines [job id, function name, args] on stdin,
+    write [job id, ok, result] lines on stdout."""
+    import json
+    import logging
+    import signal
+    import sys
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY_BYTES, WORKER_MEMORY_BYTES))
+    except (ImportError, ValueError, OSError):
+        pass
+    logging.disable(logging.CRITICAL)  # math-verify logs every parse failure
+    for line in sys.stdin:
+        job_id, name, args = json.loads(line)
+        try:
+            reply = [job_id, True, WORKER_FUNCTIONS[name](*args)]
+        except BaseException as e:  # noqa: BLE001 - a hostile answer may break sympy in any way
+            reply = [job_id, False, f"{type(e).__name__}: {e}"[:300]]
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+
+
+WORKER_COMMAND = "from llmrl.grading import _worker_main; _worker_main()"
+
+
+class _Worker:
+    """One worker process and the job it is running."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen([sys.executable, "-c", WORKER_COMMAND], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.fd = self.process.stdout.fileno()  # type: ignore[union-attr]
+        self.buffer = b""
+        self.job: tuple[int, float] | None = None  # (job index, start time)
+
+    def send(self, message: list) -> None:
+        self.process.stdin.write((json.dumps(message) + "\n").encode())  # type: ignore[union-attr]
+        self.process.stdin.flush()  # type: ignore[union-attr]
+
+    def receive(self) -> list | None:
+        """The reply if a whole line has arrived; raises EOFError if the worker has died."""
+        chunk = os.read(self.fd, 1 << 16)
+        if not chunk:
+            raise EOFError
+        self.buffer += chunk
+        if b"\n" not in self.buffer:
+            return None
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait(timeout=10)
+        for pipe in (self.process.stdin, self.process.stdout):
+            try:
+                pipe.close()  # type: ignore[union-attr]
+            except OSError:
+                pass
+
+
+class GradingPool:
+    """Worker processes that run grading functions with a hard per-call time limit.
+
+    `map(name, jobs)` returns one `(status, value)` per job, in order: ("ok", result), ("timeout",
+    None) or ("error", message). A worker that overruns its limit is killed and replaced (its
+    replacement starts in about a second). Thread-safe; usable from any thread.
+    """
+
+    def __init__(self, workers: int | None = None, time_limit: float = DEFAULT_TIME_LIMIT) -> None:
+        self.n_workers = workers or max(1, min(2, os.cpu_count() or 1))
+        self.time_limit = time_limit
+        self.workers: list[_Worker] = []
+        self.lock = threading.Lock()
+
+    def _replace(self, worker: _Worker) -> None:
+        worker.kill()
+        self.workers[self.workers.index(worker)] = _Worker()
+
+    def map(self, name: str, jobs: list[tuple]) -> list[tuple[str, Any]]:
+        results: list[tuple[str, Any] | None] = [None] * len(jobs)
+        with self.lock:
+            while len(self.workers) < self.n_workers:
+                self.workers.append(_Worker())
+            todo = deque(range(len(jobs)))
+            while todo or any(w.job for w in self.workers):
+                for w in self.workers:
+                    if w.job is None and todo:
+                        i = todo.popleft()
+                        try:
+                            w.send([i, name, list(jobs[i])])
+                            w.job = (i, time.monotonic())
+                        except OSError:
+                            results[i] = ("error", "grading worker unavailable")
+                            self._replace(w)
+                busy = [w for w in self.workers if w.job]
+                if not busy:
+                    continue
+                deadline = min(w.job[1] for w in busy) + self.time_limit  # type: ignore[index]
+                readable, _, _ = select.select([w.fd for w in busy], [], [], max(0.0, deadline - time.monotonic()))
+                for w in busy:
+                    i, started = w.job  # type: ignore[misc]
+                    if w.fd in readable:
+                        try:
+                            reply = w.receive()
+                        except (EOFError, OSError, ValueError):  # died (e.g. out of memory) or garbled
+                            results[i] = ("error", "grading worker crashed")
+                            self._replace(w)
+                            continue
+                        if reply is not None:
+                            _, ok, value = reply
+                            results[i] = ("ok", value) if ok else ("error", value)
+                            w.job = None
+                    elif time.monotonic() - started >= self.time_limit:
+                        results[i] = ("timeout", None)
+                        self._replace(w)
+        return results  # type: ignore[return-value]
+
+    def close(self) -> None:
+        with self.lock:
+            for w in self.workers:
+                w.kill()
+            self.workers = []
+
+
+_POOLS: dict[tuple[int | None, float], GradingPool] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def get_pool(workers: int | None = None, time_limit: float = DEFAULT_TIME_LIMIT) -> GradingPool:
+    """A process-wide pool per (workers, time limit), started on first use, closed at exit."""
+    with _POOLS_LOCK:
+        key = (workers, float(time_limit))
+        if key not in _POOLS:
+            _POOLS[key] = GradingPool(workers, time_limit)
+        return _POOLS[key]
+
+
+@atexit.register
+def _close_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+
+
+# ----------------------------------------------------------------------------- the grader
+
+
+def grade_batch(items: list[tuple[str, str | None]], *, time_limit: float = DEFAULT_TIME_LIMIT,
+                workers: int | None = None) -> list[Verdict]:
+    """Grade (completion, gold answer) pairs. Answers that are equal after `normalize` are decided
+    here; the rest go to math-verify in the worker pool. Never raises for bad input."""
+    verdicts: list[Verdict | None] = [None] * len(items)
+    pending: list[tuple[int, str, str]] = []
+    for i, (completion, gold) in enumerate(items):
+        pred = extract_answer(completion)
+        if gold is None or not gold.strip():
+            verdicts[i] = Verdict(False, pred, None, "error")
+        elif pred is None:
+            verdicts[i] = Verdict(False, None, gold, "no_answer")
+        elif len(pred) > MAX_ANSWER_CHARS:
+            verdicts[i] = Verdict(False, pred[:200] + "…", gold, "error")
+        elif normalize(pred) == normalize(gold):
+            verdicts[i] = Verdict(True, pred, gold, "ok")
+        else:
+            pending.append((i, pred, gold))
+    if pending:
+        results = get_pool(workers, time_limit).map("judge", [(p, g) for _, p, g in pending])
+        for (i, pred, gold), (status, value) in zip(pending, results):
+            verdicts[i] = Verdict(status == "ok" and bool(value), pred, gold, status)
+    return verdicts  # type: ignore[return-value]
+
+
+def gold_parses(golds: list[str], *, time_limit: float = DEFAULT_TIME_LIMIT, workers: int | None = None) -> list[bool]:
+    """Whether each gold answer can be read (by math-verify or as a text answer)."""
+    results = get_pool(workers, time_limit).map("parses", [(g,) for g in golds])
+    return [status == "ok" and bool(value) for status, value in results]
+
+
+# ----------------------------------------------------------------------------- `llmrl grade`
+
+
+def read_grade_input(line: str) -> tuple[str, str | None] | str:
+    """(completion, gold answer) from one input line, or the reason the line cannot be graded."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return "not valid JSON"
+    if not isinstance(row, dict) or not isinstance(row.get("completion"), str):
+        return "needs a text field `completion`"
+    if isinstance(row.get("gold"), (str, int, float)) and not isinstance(row.get("gold"), bool):
+        return row["completion"], str(row["gold"])
+    if isinstance(row.get("solution"), str):
+        return row["completion"], gold_from_solution(row["solution"])
+    return "needs `gold` (an answer) or `solution` (a MATH solution)"
+
+
+def grade_file(src: str, dst: str, *, time_limit: float = DEFAULT_TIME_LIMIT, workers: int | None = None,
+               chunk: int = 1024) -> dict[str, Any]:
+    """Grade a JSONL file line by line into `dst` (same order, each input object plus `correct`,
+    `extracted`, `gold_extracted`, `status`); returns the summary counts."""
+    counts = {"ok": 0, "no_answer": 0, "timeout": 0, "error": 0, "correct": 0}
+    t0 = time.perf_counter()
+    n = 0
+    with open(src, "rb") as fin, open(dst + ".tmp", "w", encoding="utf-8") as fout:
+        lines = (raw.decode("utf-8", errors="replace").replace("\x00", "") for raw in fin if raw.strip())
+        while batch := [line for _, line in zip(range(chunk), lines)]:
+            parsed = [read_grade_input(line) for line in batch]
+            todo = [p for p in parsed if isinstance(p, tuple)]
+            verdicts = iter(grade_batch(todo, time_limit=time_limit, workers=workers))  # type: ignore[arg-type]
+            for line, p in zip(batch, parsed):
+                if isinstance(p, str):
+                    out: dict[str, Any] = {"line": n + 1, "correct": False, "extracted": None, "gold_extracted": None,
+                                           "status": "error", "error": p}
+                    counts["error"] += 1
+                else:
+                    v = next(verdicts)
+                    out = {**json.loads(line), "correct": v.correct, "extracted": v.extracted,
+                           "gold_extracted": v.gold_extracted, "status": v.status}
+                    counts[v.status] += 1
+                    counts["correct"] += v.correct
+                fout.write(json.dumps(out) + "\n")
+                n += 1
+    os.replace(dst + ".tmp", dst)
+    seconds = time.perf_counter() - t0
+    return {"graded": n, **counts, "seconds": round(seconds, 3), "per_second": round(n / seconds, 1) if seconds else None}

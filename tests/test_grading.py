@@ -1,0 +1,157 @@
+"""The math grader: extraction, normalisation, math-verify verdicts on a hand-written fixture, hostile
+inputs under a hard time limit, grading off the main thread, `llmrl grade`, and math_hard's verify mode."""
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import cli, read_jsonl, run_cli, tiny_args
+from llmrl.grading import (
+    GradingPool, extract_answer, gold_from_solution, grade_batch, last_boxed, normalize, same_text, strip_think,
+)
+from llmrl.tasks.math_hard import MathHardTask
+
+FIXTURES = Path(__file__).parent / "fixtures"
+CASES = [json.loads(line) for line in (FIXTURES / "grading_cases.jsonl").read_text().splitlines() if line.strip()]
+LIMIT = 2.0  # seconds per verdict in these tests (the default is 5)
+
+
+def test_extraction():
+    assert last_boxed("a \\boxed{1} b \\fbox{\\frac{1}{2}}") == "\\frac{1}{2}"
+    assert last_boxed("\\boxed{1} then \\boxed{2") is None  # the last one is unclosed
+    assert last_boxed("\\boxed{\\{1,2\\}}") == "\\{1,2\\}"
+    assert last_boxed("\\fbox{3}", commands=("\\boxed",)) is None
+    assert strip_think("<think>\\boxed{1}</think> so \\boxed{2}") == " so \\boxed{2}"
+    assert extract_answer("<think>\\boxed{1}</think> no answer") is None
+    assert extract_answer("<think>a</think>\\boxed{ 7 }<think>\\boxed{8}") == "7"  # unclosed think hides the rest
+    assert extract_answer("\\boxed{}") is None
+    assert gold_from_solution("so $x=\\boxed{\\dfrac{3}{4}}$.") == "\\dfrac{3}{4}"
+
+
+@pytest.mark.parametrize("raw, canon", [
+    ("$\\dfrac{1}{2}$", "\\frac{1}{2}"),
+    ("90^\\circ", "90"), ("90^{\\circ}", "90"), ("10\\%", "10"),
+    ("x = 3", "3"), ("x\\in[2,5)", "[2,5)"), ("\\left( 1, 2 \\right)", "(1,2)"),
+    ("1{,}000", "1000"), ("10,\\!000", "10000"), ("5\\text{ cm}", "5"), ("12\\mbox{ inches}^2", "12"),
+    ("1, 2", "1,2"), ("1,000", "1000"),  # a list is not a number with thousands separators
+])
+def test_normalize(raw, canon):
+    assert normalize(raw) == canon
+
+
+def test_text_answers_compare_as_words():
+    assert same_text("\\text{Monday}", "monday") is True
+    assert same_text("\\text{(C)}", "C") is True
+    assert same_text("\\text{even}", "\\text{odd}") is False
+    assert same_text("xy", "yx") is None  # not text: math-verify decides (a product)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+def test_fixture_verdicts(case):
+    if case.get("known_limitation"):
+        pytest.xfail(case["known_limitation"])  # stays listed; see the fixture line
+    [v] = grade_batch([(case["completion"], case["gold"])], time_limit=LIMIT)
+    assert v.status in ("ok", "no_answer"), v
+    assert v.correct is case["expected"], f"{case['why']}: {v}"
+
+
+def test_fixture_is_broad():
+    types = {c["type"] for c in CASES}
+    assert len(CASES) >= 150 and len(types) >= 15
+    assert sum(c["expected"] for c in CASES) >= 50 and sum(not c["expected"] for c in CASES) >= 50
+
+
+HOSTILE = {
+    "1 MB completion": ("word " * 200_000 + "\\boxed{7}", "7", True),
+    "10,000 nested braces": ("\\boxed{" + "{" * 10_000 + "1" + "}" * 10_000 + "}", "1", None),
+    "unclosed boxed": ("the answer is \\boxed{12", "12", False),
+    "power tower": ("\\boxed{10^{10^{10^{10}}}}", "5", False),
+    "5,000-term sum": ("\\boxed{" + "+".join(["1"] * 5000) + "}", "5000", None),
+    "invalid LaTeX": ("\\boxed{\\frac{1}{}}}\\sqrt[}{", "2", False),
+    "NUL bytes": ("\\boxed{3\x00}\x00", "3", None),
+    "lone surrogate": ("\\boxed{4\udcff}", "4", None),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_hostile_inputs_return_within_the_limit(name):
+    completion, gold, expected = HOSTILE[name]
+    t0 = time.monotonic()
+    [v] = grade_batch([(completion, gold)], time_limit=LIMIT)
+    assert time.monotonic() - t0 < LIMIT + 1.5, name
+    assert v.status in ("ok", "no_answer", "timeout", "error")
+    if expected is not None:
+        assert v.correct is expected, v
+
+
+def test_timeout_kills_the_worker_and_the_pool_goes_on():
+    pool = GradingPool(workers=1, time_limit=1.0)
+    try:
+        t0 = time.monotonic()
+        out = pool.map("judge", [("10^{10^{10^{10}}}", "5"), ("0.5", "\\frac{1}{2}")])
+        assert out[0] == ("timeout", None) and out[1] == ("ok", True)
+        assert time.monotonic() - t0 < 10
+    finally:
+        pool.close()
+
+
+def test_grading_from_a_worker_thread():
+    """math-verify's own timeout (SIGALRM) fails off the main thread; ours does not."""
+    results = []
+    thread = threading.Thread(target=lambda: results.append(grade_batch(
+        [("\\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{1}{\\sqrt2}"), ("\\boxed{10^{10^{10^{10}}}}", "5")], time_limit=LIMIT)))
+    thread.start()
+    thread.join(timeout=30)
+    [[ok, slow]] = results
+    assert ok.correct and ok.status == "ok"
+    assert not slow.correct and slow.status in ("timeout", "error", "ok")
+
+
+def test_grade_command(tmp_path):
+    src = tmp_path / "in.jsonl"
+    rows = [
+        {"completion": "so \\boxed{0.5}", "gold": "\\frac12"},
+        {"completion": "no box", "solution": "Hence $\\boxed{3}$."},
+        {"completion": "\\boxed{(1,2)}", "gold": "(2,1)"},
+        {"completion": "\\boxed{2}", "gold": 2},
+    ]
+    with open(src, "wb") as f:
+        f.write(b"".join(json.dumps(r).encode() + b"\n" for r in rows[:2]))
+        f.write(b"{not json\xff\x00}\n")
+        f.write(b"".join(json.dumps(r).encode() + b"\n" for r in rows[2:]))
+    p = cli("grade", "--input", str(src), "--output", str(tmp_path / "out.jsonl"), "--time_limit", str(LIMIT))
+    assert "5 graded, 2 correct" in p.stdout and "completions/s" in p.stdout
+    out = read_jsonl(tmp_path / "out.jsonl")
+    assert [(r["correct"], r["status"]) for r in out] == [
+        (True, "ok"), (False, "no_answer"), (False, "error"), (False, "ok"), (True, "ok")]
+    assert out[0]["extracted"] == "0.5" and out[1]["gold_extracted"] == "3" and out[0]["completion"] == rows[0]["completion"]
+    missing = run_cli("grade", "--input", str(tmp_path / "nope.jsonl"), "--output", str(tmp_path / "o.jsonl"))
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "nope.jsonl" in missing.stderr
+
+
+def test_math_hard_verify_keeps_every_readable_answer():
+    seed = MathHardTask(data=str(FIXTURES / "math_tiny.jsonl"))
+    verify = MathHardTask(data=str(FIXTURES / "math_tiny.jsonl"), reward="verify", time_limit=LIMIT)
+    assert len(verify.train_rows) == len(seed.train_rows) + 1  # the \sqrt answer the seed drops
+    assert "non-numeric answer" in seed.data_report["train"]["dropped"]
+    assert "non-numeric answer" not in verify.data_report["train"]["dropped"]
+    ex = verify.example({"problem": "p", "gold": "\\frac{\\sqrt{3}}{2}", "gold_text": "\\frac{\\sqrt{3}}{2}"})
+    rewards = verify.reward_batch([ex] * 4, ["\\boxed{\\sqrt3/2}", "\\boxed{0.5}", "it is \\sqrt3/2", "\\boxed{10^{10^{10^{10}}}}"])
+    assert [r.total for r in rewards] == pytest.approx([1.1, 0.1, 0.0, 0.1])
+    assert rewards[3].counts["grade_timeouts"] == 1
+    m = verify.evaluate([ex] * 2, ["\\boxed{\\frac{\\sqrt3}{2}}", "\\boxed{1}"])
+    assert m["correct"] == 0.5 and m["boxed_rate"] == 1.0
+
+
+def test_training_step_with_math_verify(tmp_path, tiny_model_dir):
+    out = tmp_path / "run"
+    cli(*tiny_args(str(tiny_model_dir), out, "grpo", steps=1, task="math_hard", math_data=str(FIXTURES / "math_tiny.jsonl"),
+                   math_reward="verify", max_prompt_tokens=160, grade_time_limit=LIMIT))
+    records = read_jsonl(out / "metrics.jsonl")
+    train = [r for r in records if "reward/mean" in r]
+    assert len(train) == 1 and {"reward/boxed", "reward/correct", "reward/grade_timeouts"} <= set(train[0])
+    assert "eval/correct" in records[-1]
+    assert json.loads((out / "data_report.json").read_text())["reward"] == "verify"
