@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     gr.add_argument("--output", required=True, metavar="FILE", help="JSONL: each input line plus correct, extracted, gold_extracted, status")
     gr.add_argument("--time_limit", type=float, default=5.0, help="seconds per verdict before it counts as a timeout (default: 5)")
     gr.add_argument("--workers", type=int, default=2, help="grading processes (default: 2)")
+    from llmrl.report import add_report_parser
+
+    add_report_parser(sub)
     return parser
 
 
@@ -144,12 +147,18 @@ def cmd_grade(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from llmrl import report
+
+    return report.cmd_report(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if getattr(args, "config", None):
             read_yaml(args.config)  # report a bad file before anything heavy
-        return {"train": cmd_train, "eval": cmd_eval, "grade": cmd_grade}[args.command](args)
+        return {"train": cmd_train, "eval": cmd_eval, "grade": cmd_grade, "report": cmd_report}[args.command](args)
     except RunStopped as e:
         print(f"llmrl: stopped: {e}", file=sys.stderr)
         return 1

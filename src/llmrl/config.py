@@ -87,6 +87,8 @@ class TrainConfig:
     long_prompts: str = doc("truncate", "prompts over max_prompt_tokens: truncate (keep the last tokens) or skip (draw others)")
     sample_log_interval: int = doc(10, "append the step's completions to samples.jsonl every this many steps (0 = never)")
     wandb: bool = doc(False, "also log to Weights & Biases (respects WANDB_MODE=offline)")
+    tensorboard: bool = doc(False, "also write TensorBoard event files to <output_dir>/tensorboard (pip install tensorboard)")
+    report: bool = doc(True, "refresh <output_dir>/report.html (plots, samples) at each eval")
     wandb_project: str = doc("llmrl", "wandb project")
     run_name: str | None = doc(None, "run name for loggers (default: the output_dir's name)")
 
@@ -113,7 +115,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 # Fields a resumed run may change; any other difference from the checkpoint's config is an error.
 RESUME_MAY_CHANGE = {
     "steps", "output_dir", "eval_interval", "eval_n", "eval_batch_size", "eval_max_new_tokens", "save_interval",
-    "keep_checkpoints", "sample_log_interval", "max_bad_steps", "strict_rewards", "wandb", "wandb_project",
+    "keep_checkpoints", "sample_log_interval", "max_bad_steps", "strict_rewards", "wandb", "wandb_project", "tensorboard", "report",
     "run_name", "num_threads", "device", "grade_time_limit", "grade_workers",
 }
 
@@ -219,6 +221,10 @@ def validate(cfg: TrainConfig) -> None:
         import importlib.util
 
         rule(importlib.util.find_spec("wandb") is not None, "wandb", "the wandb package is not installed (pip install wandb)")
+    if cfg.tensorboard:
+        import importlib.util
+
+        rule(importlib.util.find_spec("tensorboard") is not None, "tensorboard", "the tensorboard package is not installed (pip install tensorboard)")
     problem = check_model_name(cfg.model)
     rule(problem is None, "model", problem or "")
 

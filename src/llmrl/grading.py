@@ -179,7 +179,26 @@ def _judge_math(a: str, b: str) -> bool:
     gold_parsed, pred_parsed = _mv_parse(b), _mv_parse(a)
     if not gold_parsed or not pred_parsed:
         return False
-    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))  # type: ignore[arg-type]
+    if bool(verify(gold_parsed, pred_parsed, timeout_seconds=None)):  # type: ignore[arg-type]
+        return True
+    if "i" in a + b:  # math-verify decides per side whether `i` is the imaginary unit; make it so on both
+        gold_i, pred_i = _imaginary(gold_parsed), _imaginary(pred_parsed)
+        return (gold_i, pred_i) != (gold_parsed, pred_parsed) and bool(verify(gold_i, pred_i, timeout_seconds=None))  # type: ignore[arg-type]
+    return False
+
+
+def _imaginary(parsed: list) -> list:
+    """math-verify parse results with every symbol named `i` replaced by the imaginary unit."""
+    import sympy
+
+    out = []
+    for item in parsed:
+        names = [sym for sym in getattr(item, "free_symbols", ()) if getattr(sym, "name", "") == "i"]
+        try:
+            out.append(item.subs({sym: sympy.I for sym in names}) if names else item)
+        except Exception:  # noqa: BLE001 - leave what sympy cannot substitute
+            out.append(item)
+    return out
 
 
 def parses(gold: str) -> bool:

@@ -1,5 +1,6 @@
 """Run logging: `metrics.jsonl` (one object per RL step, plus eval records), `samples.jsonl` and
-`eval_samples.jsonl` (appended, never overwritten), and wandb when asked for.
+`eval_samples.jsonl` (appended, never overwritten), and wandb / TensorBoard when asked for (same
+metric names).
 
 Only rank 0 writes; other ranks get a logger whose methods do nothing.
 """
@@ -47,11 +48,17 @@ def truncate_after(path: Path, step: int) -> None:
 
 class RunLogger:
     def __init__(self, run_dir: Path, config: dict[str, Any], *, enabled: bool = True, use_wandb: bool = False,
-                 project: str = "llmrl", name: str | None = None, resume_step: int | None = None):
+                 project: str = "llmrl", name: str | None = None, resume_step: int | None = None,
+                 use_tensorboard: bool = False):
         self.run_dir, self.enabled = run_dir, enabled
         self.wandb = None
+        self.tensorboard = None
         if not enabled:
             return
+        if use_tensorboard:
+            from llmrl.tensorboard_log import TensorBoardLogger
+
+            self.tensorboard = TensorBoardLogger(run_dir / "tensorboard")
         if resume_step is not None:
             for file in (METRICS, SAMPLES, EVAL_SAMPLES):
                 truncate_after(run_dir / file, resume_step)
@@ -77,6 +84,8 @@ class RunLogger:
         self._append(METRICS, [{"step": step, **metrics}])
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
+        if self.tensorboard is not None:
+            self.tensorboard.log(metrics, step)
 
     def log_samples(self, step: int, rows: list[dict[str, Any]], eval: bool = False) -> None:
         """Append a table of completions (each row gets the step); wandb gets a table per step."""
@@ -93,3 +102,5 @@ class RunLogger:
     def close(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()
+        if self.tensorboard is not None:
+            self.tensorboard.close()

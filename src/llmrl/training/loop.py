@@ -44,7 +44,7 @@ from llmrl.training.evaluate import evaluate
 from llmrl.training.update import policy_update, warmup_factor
 
 
-RUN_FILES = ("config.yaml", "data_report.json", METRICS, SAMPLES, EVAL_SAMPLES, CHECKPOINTS)
+RUN_FILES = ("config.yaml", "data_report.json", METRICS, SAMPLES, EVAL_SAMPLES, CHECKPOINTS, "report.html", "plots", "tensorboard")
 
 
 @dataclass
@@ -233,7 +233,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
     if is_main:
         save_config(cfg, run_dir / "config.yaml")
     logger = RunLogger(run_dir, cfg.to_dict(), enabled=is_main, use_wandb=cfg.wandb, project=cfg.wandb_project,
-                       name=cfg.run_name, resume_step=start - 1 if checkpoint else None)
+                       name=cfg.run_name, resume_step=start - 1 if checkpoint else None, use_tensorboard=cfg.tensorboard)
 
     def evaluate_and_log(step: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -241,6 +241,10 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
         metrics["time/eval_s"] = time.perf_counter() - t0
         logger.log(step, metrics)
         logger.log_samples(step, rows, eval=True)
+        if is_main and cfg.report:
+            from llmrl.report import refresh_run_report
+
+            refresh_run_report(run_dir)  # never raises: a plotting problem must not stop training
         return metrics
 
     def save(step: int) -> Path | None:
