@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from llmrl.algorithms.losses import grpo_loss, reinforce_loss
+from llmrl.algorithms.losses import LossSettings, grpo_loss, reinforce_loss
 from llmrl.algorithms.core import masked_mean_rows
 from llmrl.training.update import iter_minibatches, policy_update, trim_to_completions, warmup_factor
 
@@ -40,7 +40,7 @@ def run(model, batch, opt, *, loss_fn=reinforce_loss, epochs=1, mb=2, accum=1, k
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     return policy_update(
         model, opt, sched, batch, prompt_len=2, loss_fn=loss_fn, ppo_epochs=epochs, minibatch_size=mb,
-        grad_accum_steps=accum, clip_eps=0.2, kl_coef=kl, max_grad_norm=1e9, generator=torch.Generator().manual_seed(seed),
+        grad_accum_steps=accum, loss_settings=LossSettings(), kl_coef=kl, max_grad_norm=1e9, generator=torch.Generator().manual_seed(seed),
     )
 
 

@@ -1,4 +1,4 @@
-"""Command line: `llmrl train` and `llmrl eval` (also `python -m llmrl`).
+"""Command line: `llmrl train | eval | grade | report | bench` (also `python -m llmrl`).
 
 Every TrainConfig field is a `--key value` option; `--config FILE.yaml` supplies a base. Errors the
 user can fix (config, model name, data) print one line and exit 2.
@@ -65,9 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     gr.add_argument("--output", required=True, metavar="FILE", help="JSONL: each input line plus correct, extracted, gold_extracted, status")
     gr.add_argument("--time_limit", type=float, default=5.0, help="seconds per verdict before it counts as a timeout (default: 5)")
     gr.add_argument("--workers", type=int, default=2, help="grading processes (default: 2)")
+    from llmrl.bench import add_bench_parser
     from llmrl.report import add_report_parser
 
     add_report_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
@@ -153,12 +155,18 @@ def cmd_report(args: argparse.Namespace) -> int:
     return report.cmd_report(args)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from llmrl import bench
+
+    return bench.cmd_bench(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if getattr(args, "config", None):
             read_yaml(args.config)  # report a bad file before anything heavy
-        return {"train": cmd_train, "eval": cmd_eval, "grade": cmd_grade, "report": cmd_report}[args.command](args)
+        return {"train": cmd_train, "eval": cmd_eval, "grade": cmd_grade, "report": cmd_report, "bench": cmd_bench}[args.command](args)
     except RunStopped as e:
         print(f"llmrl: stopped: {e}", file=sys.stderr)
         return 1

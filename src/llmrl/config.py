@@ -32,7 +32,8 @@ def doc(default: Any, help: str, **kw: Any) -> Any:
 class TrainConfig:
     # what to train
     model: str = doc("Qwen/Qwen2.5-Math-1.5B-Instruct", "hub id, local HF directory, .gguf file, or alias smollm2-135m-instruct")
-    task: str = doc("format_copy", "task name from the registry: format_copy or math_hard")
+    task: str = doc("format_copy", "task: format_copy, math_hard, a registered reward, or module:Name / file.py:Name (class or reward function)")
+    prompts: str | None = doc(None, "JSONL prompts ({\"prompt\": ..., other fields → meta}) for a reward-function task")
     algo: str = doc("grpo", "algorithm (loss) name: grpo or reinforce")
     math_data: str | None = doc(None, "local MATH JSONL/Parquet file or directory (default: the hub dataset)")
     math_reward: str = doc("seed", "math_hard reward: seed (numeric answers only, SPEC.md) or verify (math-verify, every answer type)")
@@ -60,12 +61,23 @@ class TrainConfig:
     grad_accum_steps: int = doc(1, "minibatches per optimizer step (a remainder is flushed at the end of a pass)")
     ppo_epochs: int = doc(1, "passes over each rollout (reinforce: must be 1)")
     minibatch_size: int = doc(8, "completions per minibatch; must divide batch_size*group_size")
-    clip_eps: float = doc(0.1, "GRPO ratio clip epsilon")
-    kl_coef: float = doc(0.05, "weight of the KL penalty to the reference policy (LoRA disabled)")
+    clip_eps: float = doc(0.1, "GRPO ratio clip epsilon (both sides unless clip_eps_low/high are set)")
+    clip_eps_low: float | None = doc(None, "lower clip: ratio ≥ 1 − clip_eps_low (default: clip_eps)")
+    clip_eps_high: float | None = doc(None, "upper clip: ratio ≤ 1 + clip_eps_high (DAPO clip-higher; default: clip_eps)")
+    ratio_level: str = doc("token", "importance ratio: token (PPO/GRPO) or sequence (GSPO)")
+    loss_agg: str = doc("seq_mean_token_mean", "loss aggregation: seq_mean_token_mean (seed), token_mean (DAPO), seq_mean_token_sum (Dr. GRPO)")
+    kl_coef: float = doc(0.05, "weight of the KL penalty to the reference policy (LoRA disabled); 0: no reference pass")
+    kl_estimator: str = doc("k3", "per-token KL estimator: k1 (log ratio), k2 (½ log ratio²), k3 (e^Δ − Δ − 1)")
+    kl_in_reward: bool = doc(False, "subtract kl_coef · sequence KL from the reward instead of adding it to the loss")
     max_grad_norm: float = doc(0.5, "gradient clipping norm")
-    adv_estimator: str = doc("group_zscore", "advantage estimator name")
+    adv_estimator: str = doc("group_zscore", "advantages: group_zscore (GRPO), group_mean (Dr. GRPO), rloo, batch_zscore")
     adv_clip: float = doc(5.0, "advantages are clamped to ±adv_clip")
     normalize_advantages: bool = doc(False, "z-score advantages over the whole batch after the group step")
+    dynamic_sampling: bool = doc(False, "DAPO: drop groups whose rewards are all equal and sample more prompts to fill the batch")
+    dynamic_sampling_rounds: int = doc(3, "most sampling rounds per step with dynamic_sampling (then equal-reward groups fill the rest)")
+    overlong_buffer: int = doc(0, "DAPO soft overlong penalty: the last this many tokens before max_new_tokens cost up to overlong_penalty (0 = off)")
+    overlong_penalty: float = doc(1.0, "largest soft overlong penalty (reached at max_new_tokens)")
+    overlong_filter: bool = doc(False, "mask completions cut at max_new_tokens out of the loss (DAPO overlong filtering)")
     # LoRA and model
     lora_r: int = doc(16, "LoRA rank")
     lora_alpha: int = doc(32, "LoRA alpha")
@@ -93,6 +105,17 @@ class TrainConfig:
     run_name: str | None = doc(None, "run name for loggers (default: the output_dir's name)")
 
     # derived values, computed once after validation
+    @property
+    def loss_settings(self):
+        """The LossSettings of this config (clip range, ratio level, aggregation)."""
+        from llmrl.algorithms.losses import LossSettings
+
+        return LossSettings(
+            clip_low=self.clip_eps if self.clip_eps_low is None else self.clip_eps_low,
+            clip_high=self.clip_eps if self.clip_eps_high is None else self.clip_eps_high,
+            ratio=self.ratio_level, aggregate=self.loss_agg, max_tokens=self.max_new_tokens,
+        )
+
     @property
     def rollout_size(self) -> int:
         """Completions per RL step: N = batch_size * group_size."""
@@ -174,8 +197,8 @@ def convert(name: str, value: Any) -> Any:
 
 def validate(cfg: TrainConfig) -> None:
     """Check every rule that can be checked without loading anything heavy."""
-    from llmrl.algorithms.core import ADVANTAGE_ESTIMATORS
-    from llmrl.algorithms.losses import LOSSES
+    from llmrl.algorithms.core import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
+    from llmrl.algorithms.losses import AGGREGATIONS, LOSSES, RATIOS
     from llmrl.models.loading import check_model_name
     from llmrl.tasks import TASKS, is_task_name
 
@@ -200,9 +223,19 @@ def validate(cfg: TrainConfig) -> None:
     rule(bool(cfg.lora_target_modules), "lora_target_modules", "must name at least one module")
     rule(cfg.eval_n is None or cfg.eval_n >= 0, "eval_n", "must not be negative")
     rule(cfg.eval_max_new_tokens is None or cfg.eval_max_new_tokens >= 1, "eval_max_new_tokens", "must be at least 1")
-    rule(is_task_name(cfg.task), "task", f"unknown task (known: {', '.join(TASKS)}, or package.module:ClassName)")
+    rule(is_task_name(cfg.task), "task", f"unknown task (known: {', '.join(TASKS)}, or package.module:Name, file.py:Name)")
+    rule(cfg.prompts is None or Path(cfg.prompts).is_file(), "prompts", "no such file")
     rule(cfg.algo in LOSSES, "algo", f"unknown algorithm (known: {', '.join(LOSSES)})")
     rule(cfg.adv_estimator in ADVANTAGE_ESTIMATORS, "adv_estimator", f"unknown estimator (known: {', '.join(ADVANTAGE_ESTIMATORS)})")
+    rule(cfg.ratio_level in RATIOS, "ratio_level", f"unknown ratio (known: {', '.join(RATIOS)})")
+    rule(cfg.loss_agg in AGGREGATIONS, "loss_agg", f"unknown aggregation (known: {', '.join(AGGREGATIONS)})")
+    rule(cfg.kl_estimator in KL_ESTIMATORS, "kl_estimator", f"unknown estimator (known: {', '.join(KL_ESTIMATORS)})")
+    for name in ("clip_eps_low", "clip_eps_high"):
+        rule(getattr(cfg, name) is None or 0 < getattr(cfg, name) < 1, name, "must be in (0, 1)")
+    rule(cfg.dynamic_sampling_rounds >= 1, "dynamic_sampling_rounds", "must be at least 1")
+    rule(0 <= cfg.overlong_buffer <= cfg.max_new_tokens, "overlong_buffer", f"must be in [0, max_new_tokens={cfg.max_new_tokens}]")
+    rule(cfg.overlong_penalty >= 0, "overlong_penalty", "must not be negative")
+    rule(not (cfg.kl_in_reward and cfg.kl_coef == 0), "kl_in_reward", "needs kl_coef > 0")
     rule(cfg.algo != "reinforce" or cfg.ppo_epochs == 1, "ppo_epochs", "must be 1 with algo=reinforce (one on-policy pass)")
     rule(cfg.minibatch_size <= cfg.rollout_size, "minibatch_size",
          f"must not exceed batch_size*group_size={cfg.rollout_size}")

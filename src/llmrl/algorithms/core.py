@@ -69,8 +69,19 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / (mask.sum() + EPS_MASK)
 
 
+def kl_k1(logp_new: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
+    """k1 = log π(y)/π_ref(y) = new − ref per token: unbiased for KL(π ‖ π_ref), can be negative.
+    logp_new, logp_ref [N, T] → [N, T]."""
+    return logp_new - logp_ref
+
+
+def kl_k2(logp_new: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
+    """k2 = ½(new − ref)² per token: ≥ 0, biased, low variance. [N, T] → [N, T]."""
+    return 0.5 * (logp_new - logp_ref).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) ** 2
+
+
 def kl_k3(logp_new: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
-    """Sampled-token KL estimator, per token: Δ = clamp(ref − new, ±20), exp(Δ) − Δ − 1 ≥ 0.
+    """k3 (the seed's), per token: Δ = clamp(ref − new, ±20), exp(Δ) − Δ − 1 ≥ 0.
 
     logp_new, logp_ref [N, T] → [N, T]. Its expectation under the policy is KL(π ‖ π_ref); it is 0
     where the two log-probs agree.
@@ -79,25 +90,71 @@ def kl_k3(logp_new: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1
 
 
+# KL estimators by name: (logp_new [N, T], logp_ref [N, T]) -> per-token estimate [N, T].
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+
+def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards cannot be split into groups of {group_size}")
+    return rewards.view(-1, group_size)  # [N/G, G]
+
+
 def group_zscore_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The seed's group-relative advantage: (r − group mean) / (group population std + 1e-6).
+    """The seed's group-relative advantage (GRPO): A = (r − group mean) / (group population std + 1e-6).
 
     rewards [N] prompt-major → [N]. A group with equal rewards gets 0; group_size ≤ 1 gives zeros.
     """
     if group_size <= 1:
         return torch.zeros_like(rewards)
-    if rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards cannot be split into groups of {group_size}")
-    grouped = rewards.view(-1, group_size)  # [N/G, G]
+    grouped = _groups(rewards, group_size)
     mean = grouped.mean(dim=1, keepdim=True)  # [N/G, 1]
     std = grouped.std(dim=1, unbiased=False, keepdim=True)  # population std
     return ((grouped - mean) / (std + EPS_STD)).view(-1)
 
 
+def group_mean_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Dr. GRPO: A = r − group mean (no division by the std, which favours easy and hard prompts).
+    rewards [N] → [N]."""
+    if group_size <= 1:
+        return torch.zeros_like(rewards)
+    grouped = _groups(rewards, group_size)
+    return (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)
+
+
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO: A_i = r_i − mean_{j≠i} r_j, the leave-one-out baseline; equals G/(G−1)·(r_i − group mean).
+    rewards [N] → [N]."""
+    if group_size <= 1:
+        return torch.zeros_like(rewards)
+    grouped = _groups(rewards, group_size)
+    others = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)  # [N/G, G]
+    return (grouped - others).view(-1)
+
+
+def batch_zscore_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Batch-level normalisation (REINFORCE++-baseline): subtract the group mean, then divide by the
+    population std of those differences over the whole batch. rewards [N] → [N]."""
+    centred = group_mean_advantages(rewards, group_size)
+    return centred / (centred.std(unbiased=False) + EPS_STD)
+
+
 # Advantage estimators by name: (rewards [N], group_size) -> advantages [N].
 ADVANTAGE_ESTIMATORS: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
     "group_zscore": group_zscore_advantages,
+    "group_mean": group_mean_advantages,
+    "rloo": rloo_advantages,
+    "batch_zscore": batch_zscore_advantages,
 }
+
+
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment: 0 up to max − buffer tokens, then falling linearly to −factor
+    at max tokens. lengths [N] completion tokens → penalty [N] (≤ 0, added to the reward)."""
+    if buffer <= 0:
+        return torch.zeros_like(lengths, dtype=torch.float32)
+    over = (lengths.float() - (max_new_tokens - buffer)).clamp(min=0)
+    return -factor * (over / buffer).clamp(max=1.0)
 
 
 def normalize_advantages(adv: torch.Tensor) -> torch.Tensor:

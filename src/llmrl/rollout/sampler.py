@@ -195,3 +195,38 @@ def rollout(
         input_ids=sequences, attention_mask=attention, completion_mask=mask, logp_old=logp_old, logp_ref=logp_ref,
         ended=ended, prompt_len=prompt_len, texts=texts, prompts_truncated=truncated,
     )
+
+
+def select_rows(r: Rollout, rows: list[int]) -> Rollout:
+    """The rollout restricted to `rows` (in that order)."""
+    idx = torch.tensor(rows, dtype=torch.long, device=r.input_ids.device)
+    return Rollout(
+        input_ids=r.input_ids[idx], attention_mask=r.attention_mask[idx], completion_mask=r.completion_mask[idx],
+        logp_old=r.logp_old[idx], logp_ref=None if r.logp_ref is None else r.logp_ref[idx], ended=r.ended[idx],
+        prompt_len=r.prompt_len, texts=[r.texts[i] for i in rows], prompts_truncated=r.prompts_truncated,
+    )
+
+
+def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
+    """Rows of several rollouts in one: prompts left-padded to the widest prompt block, completions
+    right-padded to the longest (padding is masked out: attention 0 on the left, completion mask 0)."""
+    if len(parts) == 1:
+        return parts[0]
+    p = max(r.prompt_len for r in parts)
+    t = max(r.input_ids.shape[1] - r.prompt_len for r in parts)
+
+    def widen(x: torch.Tensor, left: int, right: int, value: float) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (left, right), value=value)
+
+    def pads(r: Rollout) -> tuple[int, int]:
+        return p - r.prompt_len, t - (r.input_ids.shape[1] - r.prompt_len)
+
+    return Rollout(
+        input_ids=torch.cat([widen(r.input_ids, *pads(r), pad_id) for r in parts]),
+        attention_mask=torch.cat([widen(widen(r.attention_mask, pads(r)[0], 0, 0), 0, pads(r)[1], 1) for r in parts]),
+        completion_mask=torch.cat([widen(r.completion_mask, *pads(r), 0) for r in parts]),
+        logp_old=torch.cat([widen(r.logp_old, *pads(r), 0) for r in parts]),
+        logp_ref=None if parts[0].logp_ref is None else torch.cat([widen(r.logp_ref, *pads(r), 0) for r in parts]),
+        ended=torch.cat([r.ended for r in parts]), prompt_len=p, texts=[x for r in parts for x in r.texts],
+        prompts_truncated=sum(r.prompts_truncated for r in parts),
+    )

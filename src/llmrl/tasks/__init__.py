@@ -1,11 +1,13 @@
-"""Task registry: `--task NAME` picks a class from `TASKS`; `--task package.module:ClassName`
-imports a user task (a class with the `Task` methods, constructed as `ClassName(seed=...)`)."""
+"""Task registry: `--task NAME` picks a class from `TASKS` (or a function registered with
+`register_reward`); `--task package.module:Name` or `--task file.py:Name` loads a user task class
+(constructed as `Name(seed=...)`) or a plain reward function (with `--prompts`); see tasks/custom.py."""
 
 from __future__ import annotations
 
-import importlib
+from pathlib import Path
 
 from llmrl.tasks.base import Example, Reward, Task
+from llmrl.tasks.custom import REWARD_FUNCTIONS, FunctionTask, build_custom, register_reward
 from llmrl.tasks.format_copy import FormatCopyTask
 from llmrl.tasks.math_hard import MathHardTask
 
@@ -15,27 +17,31 @@ TASKS: dict[str, type] = {
 }
 
 
-def make_task(name: str, seed: int, math_data: str | None = None, **math_options) -> Task:
+def make_task(name: str, seed: int, math_data: str | None = None, prompts: str | None = None, **math_options) -> Task:
     """Build a task by name; its RNG is seeded from the run's seed. `math_options` (reward,
     time_limit, workers) go to math_hard."""
     if name == "math_hard":
         return MathHardTask(seed=seed, data=math_data, **math_options)
     if name in TASKS:
         return TASKS[name](seed=seed)
-    module, _, attr = name.partition(":")
-    return getattr(importlib.import_module(module), attr)(seed=seed)
+    return build_custom(name, seed, prompts)
 
 
 def task_from_config(cfg, rank: int = 0) -> Task:
     """The task a TrainConfig asks for (seeded by seed + rank)."""
-    return make_task(cfg.task, seed=cfg.seed + rank, math_data=cfg.math_data, reward=cfg.math_reward,
+    return make_task(cfg.task, seed=cfg.seed + rank, math_data=cfg.math_data, prompts=cfg.prompts, reward=cfg.math_reward,
                      time_limit=cfg.grade_time_limit, workers=cfg.grade_workers)
 
 
 def is_task_name(name: str) -> bool:
-    """A registered name, or something shaped like `package.module:ClassName`."""
-    module, sep, attr = name.partition(":")
-    return name in TASKS or bool(sep and module and attr.isidentifier())
+    """A registered name, an existing `file.py:Name`, or something shaped like `package.module:Name`."""
+    module, sep, attr = name.rpartition(":")
+    if name in TASKS or name in REWARD_FUNCTIONS:
+        return True
+    if module.endswith(".py"):
+        return Path(module).is_file() and attr.isidentifier()
+    return bool(sep and module and attr.isidentifier())
 
 
-__all__ = ["TASKS", "Example", "is_task_name", "Reward", "Task", "make_task", "task_from_config"]
+__all__ = ["TASKS", "Example", "FunctionTask", "is_task_name", "Reward", "Task", "make_task", "register_reward",
+           "task_from_config"]

@@ -4,8 +4,10 @@
         1. examples = task.sample_train_batch(B)              (the task's own seeded RNG)
         2. rollout  = G completions per prompt + old/ref log-probs (seed derived from seed, step, rank)
         3. rewards  = task.reward(example, text) for each     [N] and their components
-        4. adv      = clamp(estimator(rewards, G), ±adv_clip) [N]
-        5. update   = ppo_epochs × shuffled minibatches, loss chosen by `algo` from LOSSES
+                      (+ overlong / KL-in-reward terms; dynamic_sampling refills groups with equal rewards)
+        4. adv      = clamp(ADVANTAGE_ESTIMATORS[adv_estimator](rewards, G), ±adv_clip) [N]
+        5. update   = ppo_epochs × shuffled minibatches, loss LOSSES[algo] with cfg.loss_settings
+                      (RATIOS[ratio_level], AGGREGATIONS[loss_agg], clip_eps_low/high), KL_ESTIMATORS[kl_estimator]
         6. log      metrics.jsonl (+ samples.jsonl every sample_log_interval steps)
         7. eval     every eval_interval steps and at the end (and once before step 1)
         8. save     every save_interval steps and at the end
@@ -31,14 +33,16 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from llmrl.algorithms.core import ADVANTAGE_ESTIMATORS, normalize_advantages, zero_spread_fraction
+from llmrl.algorithms.core import (
+    ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, normalize_advantages, overlong_penalty, zero_spread_fraction,
+)
 from llmrl.algorithms.losses import LOSSES
 from llmrl.checkpoint import CHECKPOINTS, latest_checkpoint, load_checkpoint, remove_stale_temporaries, save_checkpoint
 from llmrl.config import TrainConfig, resume_differences, save_config
 from llmrl.errors import ConfigError, RunStopped
 from llmrl.logger import EVAL_SAMPLES, METRICS, SAMPLES, RunLogger
 from llmrl.models.loading import add_lora, load_base_model, pick_device, pick_dtype
-from llmrl.rollout.sampler import eos_ids, generation_config, prompt_length, rollout
+from llmrl.rollout.sampler import concat_rollouts, eos_ids, generation_config, prompt_length, rollout, select_rows
 from llmrl.tasks import Example, Reward, Task, task_from_config
 from llmrl.training.evaluate import evaluate
 from llmrl.training.update import policy_update, warmup_factor
@@ -174,14 +178,14 @@ def safe_rewards(task: Task, examples: list[Example], texts: list[str], strict: 
     return rewards, errors
 
 
-def draw_prompts(task: Task, tokenizer, cfg: TrainConfig) -> tuple[list[Example], int]:
-    """B prompts; with long_prompts=skip, prompts over max_prompt_tokens are redrawn (counted)."""
+def draw_prompts(task: Task, tokenizer, cfg: TrainConfig, n: int) -> tuple[list[Example], int]:
+    """n prompts; with long_prompts=skip, prompts over max_prompt_tokens are redrawn (counted)."""
     if cfg.long_prompts == "truncate":
-        return task.sample_train_batch(cfg.batch_size), 0
+        return task.sample_train_batch(n), 0
     kept: list[Example] = []
     skipped = 0
-    while len(kept) < cfg.batch_size:
-        for ex in task.sample_train_batch(cfg.batch_size - len(kept)):
+    while len(kept) < n:
+        for ex in task.sample_train_batch(n - len(kept)):
             if prompt_length(tokenizer, ex.messages) <= cfg.max_prompt_tokens:
                 kept.append(ex)
             else:
@@ -189,6 +193,57 @@ def draw_prompts(task: Task, tokenizer, cfg: TrainConfig) -> tuple[list[Example]
         if skipped > 100 * cfg.batch_size:
             raise RunStopped(f"long_prompts=skip: {skipped} prompts in a row exceed max_prompt_tokens={cfg.max_prompt_tokens}")
     return kept, skipped
+
+
+def sample_and_score(model, tokenizer, task: Task, cfg: TrainConfig, gen_config, step: int, rank: int):
+    """Steps 1-3 of the loop: B prompts, G completions each, their rewards.
+
+    With dynamic_sampling (DAPO), groups whose rewards are all equal are set aside and more prompts are
+    sampled (up to dynamic_sampling_rounds rounds) until B groups have a spread; set-aside groups fill
+    whatever is still missing. Returns (owners [N] examples, Rollout, rewards [N], counts for logging).
+    """
+    g = cfg.group_size
+    kept: list[tuple[list[Example], Any, list[Reward]]] = []  # groups with a reward spread
+    flat: list[tuple[list[Example], Any, list[Reward]]] = []  # groups without
+    counts = {"reward_errors": 0, "prompts_skipped": 0}
+    rounds = 0
+    while rounds < (cfg.dynamic_sampling_rounds if cfg.dynamic_sampling else 1) and len(kept) < cfg.batch_size:
+        need = cfg.batch_size - len(kept) if cfg.dynamic_sampling else cfg.batch_size
+        examples, skipped = draw_prompts(task, tokenizer, cfg, need)
+        out = rollout(
+            model, tokenizer, [ex.messages for ex in examples], group_size=g, gen_config=gen_config,
+            max_prompt_tokens=cfg.max_prompt_tokens, seed=step_seed(cfg.seed, step, rank) + 7_777 * rounds,
+            with_ref=cfg.kl_coef > 0, chunk=cfg.minibatch_size,
+        )
+        owners = [ex for ex in examples for _ in range(g)]  # prompt-major, like the completions
+        rewards, errors = safe_rewards(task, owners, out.texts, cfg.strict_rewards, step)
+        counts["reward_errors"] += errors
+        counts["prompts_skipped"] += skipped
+        rounds += 1
+        if not cfg.dynamic_sampling:
+            return owners, out, rewards, counts
+        for i in range(len(examples)):
+            rows = list(range(i * g, (i + 1) * g))
+            group = ([owners[j] for j in rows], select_rows(out, rows), [rewards[j] for j in rows])
+            spread = len({r.total for r in group[2]}) > 1
+            (kept if spread else flat).append(group)
+    groups = kept[: cfg.batch_size] + flat[: max(0, cfg.batch_size - len(kept))]
+    counts |= {"sampling_rounds": rounds, "groups_flat_dropped": len(flat) - max(0, cfg.batch_size - len(kept)),
+               "groups_flat_kept": max(0, cfg.batch_size - len(kept))}
+    return ([ex for grp in groups for ex in grp[0]], concat_rollouts([grp[1] for grp in groups], tokenizer.pad_token_id),
+            [r for grp in groups for r in grp[2]], counts)
+
+
+def reward_shaping(cfg: TrainConfig, out) -> dict[str, torch.Tensor]:
+    """Terms added to the task's rewards, by name ([N] each): DAPO's soft overlong penalty, and the
+    KL penalty −kl_coef · Σ_t KL_t when kl_in_reward."""
+    terms: dict[str, torch.Tensor] = {}
+    if cfg.overlong_buffer > 0:
+        terms["overlong"] = overlong_penalty(out.completion_lens, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+    if cfg.kl_in_reward:
+        per_token = KL_ESTIMATORS[cfg.kl_estimator](out.logp_old, out.logp_ref) * out.completion_mask  # [N, L-1]
+        terms["kl_penalty"] = -cfg.kl_coef * per_token.sum(1).float().cpu()
+    return terms
 
 
 def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> TrainResult:
@@ -205,8 +260,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
     if is_main:
         prepare_run_dir(run_dir, resume, overwrite)
 
+    task = task_from_config(cfg, rank)  # before the model: a bad task or data file fails fast
     model, tokenizer, device = build_policy(cfg)
-    task = task_from_config(cfg, rank)
     report = getattr(task, "data_report", None)
     if report and is_main:
         print(f"llmrl: {cfg.task} data: {json.dumps(report)}", file=sys.stderr)
@@ -267,17 +322,17 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
     bar = tqdm(range(start, cfg.steps + 1), initial=start - 1, total=cfg.steps, disable=not is_main, desc="train")
     with StopOnSignal() as stop:
         for step in bar:
-            # 1-3. sample prompts, complete them G times, score the completions
+            # 1-3. sample prompts, complete them G times, score the completions (DAPO: refill flat groups)
             t0 = time.perf_counter()
-            examples, prompts_skipped = draw_prompts(task, tokenizer, cfg)
-            out = rollout(
-                model, tokenizer, [ex.messages for ex in examples], group_size=cfg.group_size, gen_config=gen_config,
-                max_prompt_tokens=cfg.max_prompt_tokens, seed=step_seed(cfg.seed, step, rank), with_ref=cfg.kl_coef > 0,
-                chunk=cfg.minibatch_size,
-            )
-            owners = [ex for ex in examples for _ in range(cfg.group_size)]  # prompt-major, like the completions
-            rewards, reward_errors = safe_rewards(task, owners, out.texts, cfg.strict_rewards, step)
+            owners, out, rewards, sampling = sample_and_score(model, tokenizer, task, cfg, gen_config, step, rank)
             rewards_t = torch.tensor([r.total for r in rewards], dtype=torch.float32)
+            shaping = reward_shaping(cfg, out)  # overlong penalty, KL-in-reward: [N] each
+            for name, values in shaping.items():
+                rewards_t += values
+                for r, v in zip(rewards, values.tolist()):
+                    r.components[name] = v
+            if cfg.overlong_filter:
+                out.completion_mask[~out.ended] = 0.0  # truncated completions teach nothing
             rollout_s = time.perf_counter() - t0
 
             # 4. advantages
@@ -294,8 +349,9 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
                 batch["logp_ref"] = out.logp_ref
             stats = policy_update(
                 model, optimizer, scheduler, batch, prompt_len=out.prompt_len, loss_fn=loss_fn, ppo_epochs=cfg.ppo_epochs,
-                minibatch_size=cfg.minibatch_size, grad_accum_steps=cfg.grad_accum_steps, clip_eps=cfg.clip_eps,
-                kl_coef=cfg.kl_coef, max_grad_norm=cfg.max_grad_norm, generator=shuffle,
+                minibatch_size=cfg.minibatch_size, grad_accum_steps=cfg.grad_accum_steps, loss_settings=cfg.loss_settings,
+                kl_coef=0.0 if cfg.kl_in_reward else cfg.kl_coef, kl_estimator=cfg.kl_estimator,
+                max_grad_norm=cfg.max_grad_norm, generator=shuffle,
             )
             update_s = time.perf_counter() - t0
 
@@ -304,8 +360,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
             totals["bad_in_a_row"] = trailing if steps_taken else totals["bad_in_a_row"] + skipped
             totals["optimizer_steps"] += steps_taken
             totals["skipped_updates"] += skipped
-            totals["reward_errors"] += reward_errors
-            totals["prompts_skipped"] += prompts_skipped
+            totals["reward_errors"] += sampling.pop("reward_errors")
+            totals["prompts_skipped"] += sampling.pop("prompts_skipped")
             totals["completions"] += len(rewards)
             totals["train_seconds"] += rollout_s + update_s
             lengths = out.completion_lens.float()
@@ -320,6 +376,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
                 "rollout/truncated_frac": (~out.ended).float().mean().item(),
                 "rollout/prompts_truncated": out.prompts_truncated,
                 "rollout/prompts_skipped": totals["prompts_skipped"],
+                **{f"rollout/{k}": v for k, v in sampling.items()},
                 "rollout/completions": totals["completions"],
                 "time/rollout_s": rollout_s,
                 "time/update_s": update_s,

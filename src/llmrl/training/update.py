@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import torch
 
-from llmrl.algorithms.core import kl_k3, masked_mean
-from llmrl.algorithms.losses import LossFn
+from llmrl.algorithms.core import KL_ESTIMATORS, masked_mean
+from llmrl.algorithms.losses import LossFn, LossSettings
 from llmrl.rollout.sampler import sequence_logprobs
 
 
@@ -52,13 +52,14 @@ def trim_to_completions(mb: dict[str, torch.Tensor], prompt_len: int) -> dict[st
 
 def policy_update(
     model, optimizer: torch.optim.Optimizer, scheduler, batch: dict[str, torch.Tensor], *, prompt_len: int,
-    loss_fn: LossFn, ppo_epochs: int, minibatch_size: int, grad_accum_steps: int, clip_eps: float,
-    kl_coef: float, max_grad_norm: float, generator: torch.Generator,
+    loss_fn: LossFn, ppo_epochs: int, minibatch_size: int, grad_accum_steps: int, loss_settings: LossSettings,
+    kl_coef: float, max_grad_norm: float, generator: torch.Generator, kl_estimator: str = "k3",
 ) -> dict[str, float]:
     """Run `ppo_epochs` passes of minibatch updates over one rollout.
 
     batch: input_ids, attention_mask [N, L]; completion_mask, logp_old, (logp_ref) [N, L-1]; adv [N].
-    loss = (pg + kl_coef·KL) / grad_accum_steps; an optimizer step every `grad_accum_steps`
+    loss = (pg + kl_coef·KL) / grad_accum_steps, KL the token mean of KL_ESTIMATORS[kl_estimator]
+    (kl_coef 0: no KL term, and the batch needs no logp_ref); an optimizer step every `grad_accum_steps`
     minibatches and one more for a remainder at the end of each pass. A non-finite loss or gradient
     norm skips that optimizer step (counted in `skipped_updates`).
     Returns means over minibatches of loss, pg, kl, clip_frac, entropy; grad_norm mean over steps;
@@ -66,7 +67,9 @@ def policy_update(
     the last step taken.
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    sums: dict[str, float] = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
+    sums: dict[str, float] = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "clip_frac_low": 0.0,
+                              "clip_frac_high": 0.0, "entropy": 0.0}
+    kl_fn = KL_ESTIMATORS[kl_estimator]
     grad_norms: list[float] = []
     lr = float("nan")  # the learning rate of the last optimizer step taken
     minibatches = optimizer_steps = skipped = trailing = 0  # trailing: skips since the last step taken
@@ -79,8 +82,8 @@ def policy_update(
             mb = trim_to_completions(mb, prompt_len)
             mask = mb["completion_mask"]
             logp_new, entropy = sequence_logprobs(model, mb["input_ids"], mb["attention_mask"], prompt_len, with_entropy=True)
-            pg, stats = loss_fn(logp_new, mb["logp_old"], mb["adv"], mask, clip_eps)
-            kl = masked_mean(kl_k3(logp_new, mb["logp_ref"]), mask) if kl_coef > 0 else torch.zeros((), device=pg.device)
+            pg, stats = loss_fn(logp_new, mb["logp_old"], mb["adv"], mask, loss_settings)
+            kl = masked_mean(kl_fn(logp_new, mb["logp_ref"]), mask) if kl_coef > 0 else torch.zeros((), device=pg.device)
             loss = (pg + kl_coef * kl) / grad_accum_steps
             if torch.isfinite(loss):
                 loss.backward()
@@ -91,7 +94,8 @@ def policy_update(
             sums["loss"] += loss.item() * grad_accum_steps
             sums["pg_loss"] += pg.item()
             sums["kl"] += kl.item()
-            sums["clip_frac"] += stats["clip_frac"]
+            for key in ("clip_frac", "clip_frac_low", "clip_frac_high"):
+                sums[key] += stats.get(key, 0.0)
             sums["entropy"] += masked_mean(entropy, mask).item()
             if pending == grad_accum_steps or i == n_mb - 1:
                 norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()

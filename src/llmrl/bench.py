@@ -1,0 +1,441 @@
+"""`llmrl bench`: time llmrl against Hugging Face TRL's GRPOTrainer on the cpu-bench config.
+
+Both sides train the same model on the same prompts with the same settings, each in its own
+subprocess (so each side's peak RSS is its own), optionally alternating in rounds so that machine
+noise hits both. Per side it reports the median seconds per RL step after dropping each process's
+first (warm-up) step, the rollout/update split, completion tokens per second and peak memory; then
+the speed ratio TRL/llmrl and llmrl's step time over a FLOP-limit time computed from the machine's
+measured fp32 matmul rate (see `flop_count`).
+
+The llmrl side is this module run as `python -m llmrl.bench --child llmrl --config_json ...`; the
+TRL side is `python -m llmrl.bench_trl ...` (TRL is imported only there). Each prints its figures as
+one JSON object on its last stdout line.
+
+Wire into the CLI with `add_bench_parser(sub)` and dispatch `bench` to `cmd_bench(args)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from llmrl.errors import ConfigError
+
+# The cpu-bench config of SPEC.md, mirroring configs/cpu-bench.yaml, so `llmrl bench` works from any directory.
+CPU_BENCH: dict[str, Any] = {
+    "model": "smollm2-135m-instruct",
+    "task": "format_copy",
+    "algo": "grpo",
+    "steps": 40,
+    "seed": 0,
+    "output_dir": "runs/cpu-bench",
+    "batch_size": 4,
+    "group_size": 4,
+    "min_new_tokens": 1,
+    "max_new_tokens": 24,
+    "temperature": 0.8,
+    "top_p": 0.95,
+    "lr": 3.0e-5,
+    "warmup_steps": 10,
+    "ppo_epochs": 2,
+    "minibatch_size": 8,
+    "grad_accum_steps": 2,
+    "clip_eps": 0.2,
+    "kl_coef": 0.05,
+    "max_grad_norm": 0.5,
+    "lora_r": 16,
+    "lora_alpha": 32,
+    "lora_dropout": 0.05,
+    "gradient_checkpointing": False,
+    "eval_interval": 20,
+    "eval_n": 64,
+    "save_interval": 20,
+}
+
+# --sweep: (group_size, max_new_tokens) pairs; the first is the cpu-bench setting itself
+SWEEP = [(4, 24), (8, 24), (16, 24), (4, 64), (4, 128)]
+
+TRL_MISSING = 'TRL not installed: pip install "llmrl[bench]" (or run with --no_trl)'
+N_PARAMS_NOTE = "all parameters of the base model (LoRA adapters excluded), embeddings included, tied embeddings once"
+
+
+class BenchFailed(RuntimeError):
+    """A side's subprocess failed; the message names it and ends with its last stderr lines."""
+
+
+# ---- arithmetic ---------------------------------------------------------------------------------
+
+def flop_count(n_params: int, prompt_tokens_per_group: list[int], mean_completion_tokens: float, group_size: int,
+               ppo_epochs: int, kl: bool) -> float:
+    """FLOPs of one RL step at the 2·N FLOP-per-token forward / 4·N backward limit.
+
+    Tokens per step T = Σ over the B groups of (P_g + G·R): each prompt is processed once per group
+    (its KV cache shared by the G completions), each completion's R tokens once. Sampling costs 2·N·T,
+    the reference pass (when kl) another 2·N·T, each PPO epoch of training 4·N·T (forward + backward
+    w.r.t. activations; the frozen base needs no weight gradients). The behaviour-policy log-prob pass
+    is not counted: it is avoidable (sampling can return those log-probs).
+    """
+    tokens = sum(prompt_tokens_per_group) + len(prompt_tokens_per_group) * group_size * mean_completion_tokens
+    per_token = 2 + (2 if kl else 0) + 4 * ppo_epochs
+    return per_token * n_params * tokens
+
+
+def flop_limit_seconds(n_params: int, prompt_tokens_per_group: list[int], mean_completion_tokens: float,
+                       group_size: int, ppo_epochs: int, kl: bool, flops_per_s: float) -> float:
+    """Seconds one RL step would take at `flops_per_s` (the measured fp32 matmul rate): `flop_count` / rate."""
+    return flop_count(n_params, prompt_tokens_per_group, mean_completion_tokens, group_size, ppo_epochs, kl) / flops_per_s
+
+
+def drop_warmup(values: list[Any], warmup: int = 1) -> list[Any]:
+    """The measured part of one process's per-step values: all but the first `warmup`."""
+    return list(values[warmup:])
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def split_steps(steps: int, rounds: int) -> list[int]:
+    """Measured steps of each of `rounds` rounds, as even as possible, summing to `steps`."""
+    if rounds < 1 or steps < 1 or rounds > steps:
+        raise ConfigError(f"--alternate {rounds}: must be between 1 and --steps ({steps})")
+    return [steps // rounds + (1 if k < steps % rounds else 0) for k in range(rounds)]
+
+
+def matmul_flops_per_s(n: int = 2048, seconds: float = 2.0) -> float:
+    """The machine's fp32 matmul rate: torch.mm of two n×n matrices repeated for about `seconds`
+    (after one untimed warm-up), 2·n³ FLOP each."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    c = torch.mm(a, b)
+    reps, t0 = 0, time.perf_counter()
+    while True:
+        torch.mm(a, b, out=c)
+        reps += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds:
+            return 2 * n**3 * reps / elapsed
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def summarize(steps: list[dict[str, Any]], peak_mb: float, n_params: int, cfg: dict[str, Any],
+              flops_per_s: float) -> dict[str, Any]:
+    """A side's figures from its measured steps (dicts with step_s, rollout_s, update_s,
+    completion_tokens, prompt_tokens; optional generate_s)."""
+    n = cfg["batch_size"] * cfg["group_size"]
+    limits = [
+        flop_limit_seconds(n_params, s["prompt_tokens"], s["completion_tokens"] / n, cfg["group_size"],
+                           cfg["ppo_epochs"], cfg["kl_coef"] > 0, flops_per_s)
+        for s in steps
+    ]
+    step_s = median([s["step_s"] for s in steps])
+    limit_s = median(limits)
+    out = {
+        "step_s": step_s,
+        "rollout_s": median([s["rollout_s"] for s in steps]),
+        "update_s": median([s["update_s"] for s in steps]),
+        "tokens_per_s": sum(s["completion_tokens"] for s in steps) / sum(s["step_s"] for s in steps),
+        "peak_mb": peak_mb,
+        "completion_tokens_per_step": statistics.mean(s["completion_tokens"] for s in steps),
+        "mean_completion_tokens": statistics.mean(s["completion_tokens"] / n for s in steps),
+        "prompt_tokens_per_step": statistics.mean(sum(s["prompt_tokens"]) for s in steps),
+        "flop_limit_s": limit_s,
+        "flop_limit_ratio": step_s / limit_s,
+        "measured_steps": len(steps),
+        "steps": steps,
+    }
+    if any(s.get("generate_s") is not None for s in steps):
+        out["generate_s"] = median([s["generate_s"] for s in steps if s.get("generate_s") is not None])
+    return out
+
+
+# ---- the llmrl side (child process) ---------------------------------------------------------------
+
+def run_llmrl(values: dict[str, Any]) -> dict[str, Any]:
+    """Train with llmrl (`values`: TrainConfig fields); per-step figures from its metrics.jsonl."""
+    from llmrl.config import load_config
+    from llmrl.logger import METRICS
+    from llmrl.tasks import make_task
+    from llmrl.training.loop import train
+
+    cfg = load_config(None, values)
+    result = train(cfg, overwrite=True)
+    records = [json.loads(line) for line in (Path(cfg.output_dir) / METRICS).read_text().splitlines() if line.strip()]
+    records = [r for r in records if "time/rollout_s" in r]
+    # the prompts of each step: batch_size draws from the task's seeded RNG, as the loop draws them
+    task = make_task(cfg.task, seed=cfg.seed, math_data=cfg.math_data)
+    tok = result.tokenizer
+    n = cfg.batch_size * cfg.group_size
+    steps = []
+    for r in records:
+        prompts = [ex.messages for ex in task.sample_train_batch(cfg.batch_size)]
+        prompt_tokens = [
+            min(len(tok(tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
+                        add_special_tokens=False)["input_ids"]), cfg.max_prompt_tokens)
+            for m in prompts
+        ]
+        steps.append({
+            "step_s": r["time/rollout_s"] + r["time/update_s"], "rollout_s": r["time/rollout_s"],
+            "update_s": r["time/update_s"], "completion_tokens": r["rollout/completion_len"] * n,
+            "prompt_tokens": prompt_tokens,
+        })
+    n_params = sum(p.numel() for name, p in result.model.named_parameters() if "lora_" not in name)
+    return {"side": "llmrl", "steps": steps, "n_params": n_params,
+            "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def child_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m llmrl.bench", description="One side of `llmrl bench` (internal).")
+    parser.add_argument("--child", choices=["llmrl"], required=True)
+    parser.add_argument("--config_json", required=True)
+    args = parser.parse_args(argv)
+    result = run_llmrl(json.loads(args.config_json))
+    sys.stdout.flush()
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+# ---- the parent -----------------------------------------------------------------------------------
+
+def run_side(side: str, values: dict[str, Any], out_dir: Path, quiet: bool = False) -> dict[str, Any]:
+    """Run one side for values["steps"] RL steps in a fresh subprocess; return its JSON figures."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    values = {**values, "output_dir": str(out_dir / "run")}
+    if side == "llmrl":
+        cmd = [sys.executable, "-m", "llmrl.bench", "--child", "llmrl", "--config_json", json.dumps(values)]
+    else:
+        cmd = [sys.executable, "-m", "llmrl.bench_trl", "--config_json", json.dumps(values),
+               "--output_dir", str(out_dir / "trl")]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "WANDB_DISABLED": "true"}
+    t0 = time.perf_counter()
+    with open(out_dir / "stderr.log", "w") as err:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    (out_dir / "stdout.log").write_text(proc.stdout)
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    try:
+        if proc.returncode != 0:
+            raise ValueError
+        result = json.loads(lines[-1])
+    except (ValueError, IndexError):
+        tail = [line.strip() for line in (out_dir / "stderr.log").read_text(errors="replace").splitlines()
+                if line.strip().strip("^~") and not line.startswith(" " * 8)][-3:]
+        raise BenchFailed(f"the {side} side failed (exit {proc.returncode}; log {out_dir / 'stderr.log'}): "
+                          + " | ".join(tail)) from None
+    if not quiet:
+        print(f"llmrl bench: {side} done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return result
+
+
+def bench_values(config: str | None, model: str | None) -> tuple[str, dict[str, Any]]:
+    """(config name, validated TrainConfig fields as a dict) for --config/--model."""
+    from llmrl.config import load_config, read_yaml
+
+    base = read_yaml(config) if config else dict(CPU_BENCH)
+    if model:
+        base["model"] = model
+    cfg = load_config(None, base)
+    return (Path(config).stem if config else "cpu-bench"), cfg.to_dict()
+
+
+def child_values(values: dict[str, Any], steps: int, **changes: Any) -> dict[str, Any]:
+    """A side's config: `steps` RL steps, no eval, no samples log, no wandb."""
+    return {**values, **changes, "steps": steps, "eval_n": 0, "eval_interval": 0, "save_interval": 0,
+            "sample_log_interval": 0, "wandb": False}
+
+
+def run_bench(model: str | None = None, config: str | None = None, steps: int = 3, no_trl: bool = False,
+              sweep: bool = False, alternate: int = 1, work_dir: str | None = None, warmup: int = 1,
+              matmul_seconds: float = 2.0, num_threads: int | None = None) -> dict[str, Any]:
+    """Run the benchmark; return every figure as a JSON-ready dict."""
+    if steps < 1:
+        raise ConfigError(f"--steps {steps}: must be at least 1")
+    rounds = split_steps(steps, alternate)
+    if not no_trl and importlib.util.find_spec("trl") is None:
+        raise ConfigError(TRL_MISSING)
+    name, values = bench_values(config, model)
+    if num_threads is not None:
+        if num_threads < 0:
+            raise ConfigError(f"--num_threads {num_threads}: must not be negative")
+        values["num_threads"] = num_threads
+    from llmrl.models.loading import resolve_model_path
+
+    values["model"] = resolve_model_path(values["model"])  # children get a local directory
+    if not no_trl:
+        from llmrl.bench_trl import trl_settings
+
+        try:
+            trl_settings(values)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    own_dir = work_dir is None
+    root = Path(tempfile.mkdtemp(prefix="llmrl-bench-")) if own_dir else Path(work_dir)
+    done = False
+    try:
+        if values["num_threads"]:
+            import torch
+
+            torch.set_num_threads(values["num_threads"])  # the children use the same thread count
+        flops = matmul_flops_per_s(seconds=matmul_seconds)
+        sides = ["llmrl"] if no_trl else ["llmrl", "trl"]
+        measured: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
+        warm: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
+        peak: dict[str, float] = {s: 0.0 for s in sides}
+        n_params: dict[str, int] = {}
+        for k, n in enumerate(rounds, 1):
+            for side in sides:
+                print(f"llmrl bench: round {k}/{len(rounds)}: {side}, {warmup} warm-up + {n} measured steps",
+                      file=sys.stderr, flush=True)
+                r = run_side(side, child_values(values, warmup + n), root / f"round{k}-{side}")
+                if len(r["steps"]) < warmup + n:
+                    raise BenchFailed(f"the {side} side reported {len(r['steps'])} steps, expected {warmup + n}")
+                warm[side] += r["steps"][:warmup]
+                measured[side] += drop_warmup(r["steps"], warmup)
+                peak[side] = max(peak[side], r["max_rss_mb"])
+                n_params[side] = r["n_params"]
+        result: dict[str, Any] = {
+            "config": name, "model": values["model"], "steps": steps, "warmup_steps": warmup,
+            "alternate": len(rounds), "matmul_gflops": flops / 1e9, "matmul": "torch.mm 2048x2048 fp32, 2*n^3 FLOP each",
+            "num_threads": values["num_threads"] or torch_threads(),
+            "n_params": n_params["llmrl"], "n_params_counts": N_PARAMS_NOTE,
+            "settings": {k: values[k] for k in CPU_BENCH if k in values and k not in ("output_dir", "steps")},
+        }
+        for side in sides:
+            result[side] = summarize(measured[side], peak[side], n_params[side], values, flops)
+            result[side]["warmup"] = warm[side]
+        result.setdefault("trl", None)
+        result["speedup_vs_trl"] = result["trl"]["step_s"] / result["llmrl"]["step_s"] if result["trl"] else None
+        result["flop_limit_ratio"] = result["llmrl"]["flop_limit_ratio"]
+        result["flop_limit_s"] = result["llmrl"]["flop_limit_s"]
+        result["sweep"] = run_sweep(values, steps, warmup, flops, result["llmrl"], root) if sweep else None
+        done = True
+        return result
+    finally:
+        if own_dir and done:  # after a failure the logs stay, for the error message's path
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def run_sweep(values: dict[str, Any], steps: int, warmup: int, flops: float, base: dict[str, Any],
+              root: Path) -> list[dict[str, Any]]:
+    """llmrl only: seconds per step and per completion token as group size and max_new_tokens grow.
+    The row with the config's own (group_size, max_new_tokens) reuses the main measurement."""
+    rows = []
+    for group, max_new in SWEEP:
+        if (group, max_new) == (values["group_size"], values["max_new_tokens"]):
+            s = base
+        else:
+            print(f"llmrl bench: sweep group_size {group}, max_new_tokens {max_new}: {warmup} warm-up + {steps} steps",
+                  file=sys.stderr, flush=True)
+            v = child_values(values, warmup + steps, group_size=group, max_new_tokens=max_new)
+            r = run_side("llmrl", v, root / f"sweep-g{group}-m{max_new}")
+            s = summarize(drop_warmup(r["steps"], warmup), r["max_rss_mb"], r["n_params"], v, flops)
+        per_token = median([x["step_s"] / x["completion_tokens"] for x in s["steps"]])
+        rows.append({"group_size": group, "max_new_tokens": max_new, "step_s": s["step_s"],
+                     "completion_tokens_per_step": s["completion_tokens_per_step"],
+                     "s_per_completion_token": per_token, "flop_limit_ratio": s["flop_limit_ratio"],
+                     "peak_mb": s["peak_mb"]})
+    return rows
+
+
+def format_report(r: dict[str, Any]) -> str:
+    per = "per process" if r["alternate"] > 1 else ""
+    rounds = f", {r['alternate']} alternating rounds" if r["alternate"] > 1 else ""
+    lines = [f"llmrl bench: {r['config']}, {r['steps']} measured steps per side after {r['warmup_steps']} warm-up"
+             f"{(' ' + per) if per else ''}{rounds}, {r['num_threads']} threads, matmul {r['matmul_gflops']:.1f} GFLOP/s",
+             f"{'side':<6} {'s/step':>8} {'rollout':>8} {'update':>8} {'tok/s':>8} {'peak MB':>8}"]
+    for side in ("llmrl", "trl"):
+        s = r.get(side)
+        if s:
+            lines.append(f"{side:<6} {s['step_s']:8.2f} {s['rollout_s']:8.2f} {s['update_s']:8.2f} "
+                         f"{s['tokens_per_s']:8.1f} {s['peak_mb']:8.0f}")
+    speed = f"{r['speedup_vs_trl']:.1f}x" if r["speedup_vs_trl"] is not None else "n/a (--no_trl)"
+    lines.append(f"speedup_vs_trl {speed}   flop_limit_ratio {r['flop_limit_ratio']:.1f} "
+                 f"(limit {r['flop_limit_s']:.2f} s/step)")
+    s = r["llmrl"]
+    lines.append(f"(limit: N={r['n_params'] / 1e6:.1f}M params, {r['n_params_counts']}; "
+                 f"P={s['prompt_tokens_per_step']:.0f} prompt tokens/step, R={s['mean_completion_tokens']:.1f} "
+                 f"tokens/completion)")
+    if r.get("sweep"):
+        lines.append("sweep (llmrl): cost as group size and max_new_tokens grow")
+        lines.append(f"{'group':>5} {'max_new':>7} {'s/step':>8} {'tok/step':>9} {'ms/token':>9} {'flop_ratio':>10}")
+        for row in r["sweep"]:
+            lines.append(f"{row['group_size']:>5} {row['max_new_tokens']:>7} {row['step_s']:8.2f} "
+                         f"{row['completion_tokens_per_step']:9.0f} {1000 * row['s_per_completion_token']:9.1f} "
+                         f"{row['flop_limit_ratio']:10.1f}")
+    return "\n".join(lines)
+
+
+# ---- CLI glue -------------------------------------------------------------------------------------
+
+def add_bench_parser(sub) -> argparse.ArgumentParser:
+    """Add the `bench` subcommand to an argparse subparsers object (its parser_class is used)."""
+    p = sub.add_parser(
+        "bench", help="time llmrl against TRL's GRPOTrainer on cpu-bench",
+        description="Run the cpu-bench config with llmrl and with TRL's GRPOTrainer (same model, prompts and "
+                    "settings), each side in its own process, and report seconds per RL step, tokens/s, peak "
+                    "memory, the speed ratio and llmrl's step time over the FLOP limit at the measured matmul rate.",
+    )
+    p.add_argument("--steps", type=int, default=3, help="measured RL steps per side, after 1 warm-up step per process (default: 3)")
+    p.add_argument("--no_trl", action="store_true", help="skip TRL (speedup_vs_trl is then null)")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time llmrl at group size 4, 8, 16 (max_new_tokens 24) and max_new_tokens 24, 64, 128 (group size 4)")
+    p.add_argument("--model", help="model to benchmark (default: the config's, smollm2-135m-instruct)")
+    p.add_argument("--config", help="YAML file of config fields (default: the built-in cpu-bench config)")
+    p.add_argument("--alternate", type=int, default=1, metavar="K",
+                   help="interleave the sides in K rounds of steps/K measured steps each, llmrl then TRL, each in a fresh process (default: 1)")
+    p.add_argument("--work_dir", help="directory for the sides' run outputs and logs (default: a temporary directory, removed)")
+    p.add_argument("--json", metavar="FILE", help="write every figure to FILE as JSON")
+    p.add_argument("--num_threads", type=int, metavar="N",
+                   help="torch CPU threads for both sides and the matmul probe (default: the config's; 0 = torch's default)")
+    p.add_argument("--matmul_seconds", type=float, default=2.0, help="how long to measure the fp32 matmul rate (default: 2)")
+    return p
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    try:
+        result = run_bench(model=args.model, config=args.config, steps=args.steps, no_trl=args.no_trl, sweep=args.sweep,
+                           alternate=args.alternate, work_dir=args.work_dir, matmul_seconds=args.matmul_seconds,
+                           num_threads=args.num_threads)
+    except BenchFailed as e:
+        print(f"llmrl: error: bench: {e}", file=sys.stderr)
+        return 1
+    print(format_report(result), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1, allow_nan=False))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`llmrl bench` on its own (until the CLI dispatches it): python -m llmrl.bench [options]."""
+    from llmrl.errors import UserError
+
+    parser = argparse.ArgumentParser(prog="llmrl")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return cmd_bench(args)
+    except UserError as e:
+        print(f"llmrl: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    if "--child" in sys.argv[1:]:
+        sys.exit(child_main())
+    sys.exit(main())

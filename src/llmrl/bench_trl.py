@@ -1,0 +1,206 @@
+"""The TRL side of `llmrl bench`: Hugging Face TRL's GRPOTrainer on the same model, prompts and settings.
+
+Run by `llmrl bench` in its own process (so its peak RSS is its own):
+
+    python -m llmrl.bench_trl --config_json '{...TrainConfig fields...}' --output_dir DIR
+
+It trains `steps` RL steps and prints, as the last line of stdout, one JSON object with the per-RL-step
+timings (see `run_trl`). TRL is imported only here, so llmrl works without it installed.
+
+How TRL's steps map to RL steps (TRL 1.16, read from its GRPOTrainer):
+    steps_per_generation = gradient_accumulation_steps (2), so one generation batch is
+    per_device_train_batch_size × steps_per_generation = 8 × 2 = 16 completions = 4 prompts × 4.
+    `_prepare_inputs` generates once every steps_per_generation × num_iterations = 4 micro-batches
+    (`training_step` calls), and each optimizer step (`global_step`) is 2 micro-batches, so one
+    generation serves num_iterations = 2 optimizer steps: epoch 1 is global step 2k−1, epoch 2 is
+    global step 2k. One RL step (16 completions, both epochs) = `num_iterations` global steps, timed
+    from `on_step_begin` of the first to `on_step_end` of the last. Generation happens inside the first
+    of them (in `training_step` → `_prepare_inputs` → `_generate_and_score_completions`), which is
+    wrapped with a timer: its time (generate, reward, old and reference log-probs) is the "rollout"
+    time, the rest of the RL step the "update" time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import resource
+import sys
+import time
+from typing import Any
+
+
+# llmrl loss_agg → TRL loss_type; the default, seq_mean_token_mean (masked token mean per sequence, then the
+# mean over sequences), is TRL's "grpo" (TRL's own default is "dapo")
+LOSS_TYPES = {"seq_mean_token_mean": "grpo", "token_mean": "dapo", "seq_mean_token_sum": "dr_grpo"}
+
+
+def trl_settings(cfg: dict[str, Any]) -> dict[str, Any]:
+    """GRPOConfig keyword arguments equivalent to an llmrl config (dict of TrainConfig fields)."""
+    rollout = cfg["batch_size"] * cfg["group_size"]
+    if rollout != cfg["minibatch_size"] * cfg["grad_accum_steps"]:
+        # TRL generates one generation batch of per_device_train_batch_size × gradient_accumulation_steps
+        # completions per optimizer step; llmrl's config must be one optimizer step per epoch to match.
+        raise ValueError(f"TRL side needs batch_size*group_size ({rollout}) == minibatch_size*grad_accum_steps "
+                         f"({cfg['minibatch_size'] * cfg['grad_accum_steps']})")
+    agg = cfg.get("loss_agg", "seq_mean_token_mean")
+    if agg not in LOSS_TYPES:
+        raise ValueError(f"TRL side: loss_agg={agg!r} has no TRL loss_type (known: {', '.join(LOSS_TYPES)})")
+    generation_kwargs = {"min_new_tokens": cfg["min_new_tokens"]} if cfg["min_new_tokens"] > 0 else None
+    return dict(
+        per_device_train_batch_size=cfg["minibatch_size"],
+        gradient_accumulation_steps=cfg["grad_accum_steps"],
+        num_generations=cfg["group_size"],
+        num_iterations=cfg["ppo_epochs"],
+        max_completion_length=cfg["max_new_tokens"],
+        temperature=cfg["temperature"],
+        top_p=cfg["top_p"],
+        top_k=cfg["top_k"],
+        repetition_penalty=cfg["repetition_penalty"],
+        generation_kwargs=generation_kwargs,
+        beta=cfg["kl_coef"],
+        epsilon=cfg["clip_eps"] if cfg.get("clip_eps_low") is None else cfg["clip_eps_low"],
+        epsilon_high=cfg.get("clip_eps_high"),  # None: epsilon
+        loss_type=LOSS_TYPES[agg],
+        scale_rewards="group",  # group z-score, as llmrl's group_zscore estimator
+        learning_rate=cfg["lr"],
+        lr_scheduler_type="constant_with_warmup",  # llmrl: linear warmup, then constant
+        warmup_steps=cfg["warmup_steps"],
+        max_grad_norm=cfg["max_grad_norm"],
+        adam_beta1=cfg["adam_beta1"],
+        adam_beta2=cfg["adam_beta2"],
+        weight_decay=cfg["weight_decay"],
+        seed=cfg["seed"],
+        max_steps=cfg["ppo_epochs"] * cfg["steps"],  # num_iterations optimizer steps per RL step
+        shuffle_dataset=False,  # prompts in the order llmrl draws them
+        bf16=False,
+        fp16=False,
+        report_to="none",
+        save_strategy="no",
+        eval_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
+    )
+
+
+def completion_text(completion: Any) -> str:
+    """TRL passes a conversational completion as a list of messages; a plain one as a string."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(m.get("content") or "" for m in completion)
+
+
+def run_trl(cfg: dict[str, Any], output_dir: str) -> dict[str, Any]:
+    """Train cfg["steps"] RL steps with TRL's GRPOTrainer; return per-RL-step figures:
+    step_s, rollout_s, update_s, generate_s, completion_tokens (generated tokens of the step, EOS
+    included), prompt_tokens (per group), plus n_params and max_rss_mb."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from llmrl.models.loading import load_tokenizer
+    from llmrl.tasks import make_task
+
+    if cfg.get("num_threads"):
+        torch.set_num_threads(cfg["num_threads"])
+    use_cpu = cfg.get("device", "auto") == "cpu" or not torch.cuda.is_available()
+    settings = trl_settings(cfg)
+    # transformers 5 renamed gradient_checkpointing to activation_checkpointing (the old name warns)
+    names = {f.name for f in dataclasses.fields(GRPOConfig)}
+    settings["activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"] = (
+        cfg["gradient_checkpointing"])
+    args = GRPOConfig(output_dir=output_dir, use_cpu=use_cpu, **settings)
+
+    # the prompts llmrl draws: batch_size per step from the task's seeded RNG, in order
+    task = make_task(cfg["task"], seed=cfg["seed"], math_data=cfg.get("math_data"))
+    examples = [ex for _ in range(cfg["steps"]) for ex in task.sample_train_batch(cfg["batch_size"])]
+    dataset = Dataset.from_list([{"prompt": ex.messages, "idx": i} for i, ex in enumerate(examples)])
+
+    def task_reward(prompts, completions, idx, **kwargs):
+        return [float(task.reward(examples[i], completion_text(c)).total) for i, c in zip(idx, completions)]
+
+    tokenizer = load_tokenizer(cfg["model"])
+    model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=torch.float32)
+    peft_config = LoraConfig(
+        r=cfg["lora_r"], lora_alpha=cfg["lora_alpha"], lora_dropout=cfg["lora_dropout"],
+        target_modules=list(cfg["lora_target_modules"]), bias="none", task_type="CAUSAL_LM",
+    )
+
+    begin: dict[int, float] = {}
+    end: dict[int, float] = {}
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            begin[state.global_step + 1] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            end[state.global_step] = time.perf_counter()
+
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=task_reward, args=args, train_dataset=dataset, processing_class=tokenizer,
+        peft_config=peft_config, callbacks=[StepTimer()],
+    )
+
+    rollouts: list[dict[str, Any]] = []
+    generate_s: list[float] = []
+    group = cfg["group_size"]
+    score = trainer._generate_and_score_completions
+    generate = trainer._generate
+
+    def timed_score(inputs):
+        t0 = time.perf_counter()
+        out = score(inputs)
+        rollouts.append({
+            "rollout_s": time.perf_counter() - t0,
+            "completion_tokens": int(out["completion_mask"].sum().item()),
+            "prompt_tokens": [int(x) for x in out["prompt_mask"].sum(1).tolist()[::group]],
+        })
+        return out
+
+    def timed_generate(*a, **kw):
+        t0 = time.perf_counter()
+        out = generate(*a, **kw)
+        generate_s.append(time.perf_counter() - t0)
+        return out
+
+    trainer._generate_and_score_completions = timed_score
+    trainer._generate = timed_generate
+    trainer.train()
+
+    epochs = cfg["ppo_epochs"]
+    steps = []
+    for k, r in enumerate(rollouts):
+        first, last = epochs * k + 1, epochs * (k + 1)
+        if first not in begin or last not in end:
+            break
+        step_s = end[last] - begin[first]
+        steps.append({
+            "step_s": step_s, "rollout_s": r["rollout_s"], "update_s": step_s - r["rollout_s"],
+            "generate_s": generate_s[k] if k < len(generate_s) else None,
+            "completion_tokens": r["completion_tokens"], "prompt_tokens": r["prompt_tokens"],
+        })
+    n_params = sum(p.numel() for n, p in trainer.model.named_parameters() if "lora_" not in n)
+    return {
+        "side": "trl", "steps": steps, "n_params": n_params, "global_steps": trainer.state.global_step,
+        "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m llmrl.bench_trl", description="The TRL side of `llmrl bench`.")
+    parser.add_argument("--config_json", required=True, help="JSON object of TrainConfig fields (model: a local directory)")
+    parser.add_argument("--output_dir", required=True, help="TRL's output directory (nothing is saved there)")
+    args = parser.parse_args(argv)
+    result = run_trl(json.loads(args.config_json), args.output_dir)
+    sys.stdout.flush()
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

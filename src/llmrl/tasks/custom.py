@@ -1,0 +1,131 @@
+"""User tasks and plain reward functions.
+
+    --task my_pkg.rewards:MyTask          a class with the Task methods, built as MyTask(seed=...)
+    --task path/to/rewards.py:MyTask      the same, from a file
+    --task path/to/rewards.py:reward --prompts prompts.jsonl
+                                          a plain function reward(prompt, completion, **meta) -> float | None
+
+In Python, `register_reward("name", fn, prompts="prompts.jsonl")` (or the decorator form) adds a
+function task to the registry so `--task name` finds it. A prompts file has one JSON object per line:
+`prompt` (the user message), optional `system`, and any other fields, which reach the reward as `meta`.
+Training samples prompts with the run's seed; eval uses the first eval_n prompts in file order.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import json
+import random
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from llmrl.errors import ConfigError, DataError
+from llmrl.tasks.base import Example, Reward, SeededSampling
+
+RewardFn = Callable[..., "float | None"]
+
+
+def load_object(spec: str) -> Any:
+    """The object named by `module.path:Name` or `file.py:Name`."""
+    where, _, attr = spec.rpartition(":")
+    try:
+        if where.endswith(".py"):
+            path = Path(where)
+            if not path.is_file():
+                raise ConfigError(f"task={spec!r}: no such file {where}")
+            module_spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
+            sys.modules.setdefault(path.stem, module)
+            module_spec.loader.exec_module(module)  # type: ignore[union-attr]
+        else:
+            module = importlib.import_module(where)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a user's module may fail in any way
+        raise ConfigError(f"task={spec!r}: cannot import {where}: {type(e).__name__}: {e}") from None
+    if not hasattr(module, attr):
+        raise ConfigError(f"task={spec!r}: {where} has no {attr}")
+    return getattr(module, attr)
+
+
+def read_prompts(path: str | None, spec: str) -> list[dict[str, Any]]:
+    if path is None:
+        raise ConfigError(f"task={spec!r} is a reward function: give its prompts with --prompts FILE.jsonl")
+    rows = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                raise DataError(f"prompts {path}: line {i} is not valid JSON") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise DataError(f"prompts {path}: line {i} needs a text field `prompt`")
+            rows.append(row)
+    if not rows:
+        raise DataError(f"prompts {path}: no prompts")
+    return rows
+
+
+class FunctionTask(SeededSampling):
+    """A task made of a prompts list and a plain reward function."""
+
+    name = "function"
+    eval_n_default = 16
+
+    def __init__(self, fn: RewardFn, prompts: list[dict[str, Any]], seed: int = 0):
+        self.fn, self.prompts, self.rng = fn, prompts, random.Random(seed)
+
+    @staticmethod
+    def example(row: dict[str, Any]) -> Example:
+        messages = ([{"role": "system", "content": row["system"]}] if isinstance(row.get("system"), str) else [])
+        meta = {k: v for k, v in row.items() if k not in ("prompt", "system")}
+        return Example(messages=messages + [{"role": "user", "content": row["prompt"]}], answer=meta.get("answer"), meta=meta)
+
+    def sample_train_batch(self, n: int) -> list[Example]:
+        return [self.example(self.rng.choice(self.prompts)) for _ in range(n)]
+
+    def eval_examples(self, n: int) -> list[Example]:
+        return [self.example(r) for r in self.prompts[:n]]
+
+    def reward(self, example: Example, completion: str) -> Reward:
+        value = self.fn(example.messages[-1]["content"], completion, **example.meta)
+        if value is None:  # the function could not score this completion
+            return Reward(total=0.0, components={"reward": 0.0}, counts={"unscored": 1})
+        return Reward(total=float(value), components={"reward": float(value)})
+
+    def evaluate(self, examples: list[Example], completions: list[str]) -> dict[str, float]:
+        rewards = [self.reward(ex, c) for ex, c in zip(examples, completions, strict=True)]
+        return {"scored": sum(not r.counts for r in rewards) / max(len(rewards), 1)}
+
+
+REWARD_FUNCTIONS: dict[str, tuple[RewardFn, str]] = {}
+
+
+def register_reward(name: str, fn: RewardFn | None = None, *, prompts: str):
+    """Register `fn(prompt, completion, **meta) -> float | None` as task `name` with its prompts file.
+    Usable as a call or as a decorator: `@register_reward("brevity", prompts="p.jsonl")`."""
+
+    def add(f: RewardFn) -> RewardFn:
+        REWARD_FUNCTIONS[name] = (f, prompts)
+        return f
+
+    return add(fn) if fn is not None else add
+
+
+def build_custom(spec: str, seed: int, prompts: str | None) -> Any:
+    """A task from `module:Name`/`file.py:Name` (class or function) or a registered reward function."""
+    if spec in REWARD_FUNCTIONS:
+        fn, path = REWARD_FUNCTIONS[spec]
+        return FunctionTask(fn, read_prompts(prompts or path, spec), seed)
+    obj = load_object(spec)
+    if inspect.isclass(obj):
+        return obj(seed=seed)
+    if callable(obj):
+        return FunctionTask(obj, read_prompts(prompts, spec), seed)
+    raise ConfigError(f"task={spec!r}: {type(obj).__name__} is neither a task class nor a reward function")

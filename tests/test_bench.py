@@ -1,0 +1,148 @@
+"""`llmrl bench`: FLOP-limit arithmetic, warm-up/median logic, config, and short end-to-end runs on the tiny model."""
+
+import argparse
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llmrl import bench
+from llmrl.bench import (
+    CPU_BENCH, add_bench_parser, child_values, cmd_bench, drop_warmup, flop_count, flop_limit_seconds, median,
+    split_steps, summarize,
+)
+from llmrl.errors import ConfigError
+
+HAS_TRL = importlib.util.find_spec("trl") is not None
+REPO = Path(__file__).parent.parent
+
+
+def test_flop_limit_hand_worked():
+    # N=100, P=[10, 20], G=4, R=5, 2 epochs, kl: (2 + 2 + 4·2)·100·((10+20) + 2·4·5) = 12·100·70
+    assert flop_count(100, [10, 20], 5, 4, 2, True) == 84_000
+    assert flop_count(100, [10, 20], 5, 4, 2, False) == 70_000  # no reference pass: (2 + 8)·100·70
+    assert flop_count(100, [10, 20], 5, 4, 1, True) == 56_000  # one epoch: (2 + 2 + 4)·100·70
+    assert flop_limit_seconds(100, [10, 20], 5, 4, 2, True, flops_per_s=1_000) == pytest.approx(84.0)
+    # fractional mean completion length: 1 group, P=7, G=2, R=2.5 → 12 tokens; (2+2+4)·10·12
+    assert flop_count(10, [7], 2.5, 2, 1, True) == pytest.approx(960)
+
+
+def test_warmup_and_median():
+    assert drop_warmup([9.0, 1.0, 2.0, 30.0]) == [1.0, 2.0, 30.0]
+    assert median(drop_warmup([9.0, 1.0, 2.0, 30.0])) == 2.0
+    assert median(drop_warmup([9.0, 1.0, 3.0])) == 2.0
+    assert median([]) is None
+    assert split_steps(3, 1) == [3]
+    assert split_steps(3, 2) == [2, 1]
+    assert split_steps(4, 4) == [1, 1, 1, 1]
+    with pytest.raises(ConfigError):
+        split_steps(2, 3)
+
+
+def test_summarize():
+    cfg = {**CPU_BENCH, "batch_size": 2, "group_size": 2}  # 4 completions per step
+    steps = [
+        {"step_s": 4.0, "rollout_s": 3.0, "update_s": 1.0, "completion_tokens": 8, "prompt_tokens": [10, 20]},
+        {"step_s": 2.0, "rollout_s": 1.0, "update_s": 1.0, "completion_tokens": 16, "prompt_tokens": [10, 20]},
+        {"step_s": 3.0, "rollout_s": 2.0, "update_s": 1.0, "completion_tokens": 12, "prompt_tokens": [10, 20]},
+    ]
+    s = summarize(steps, peak_mb=500.0, n_params=100, cfg=cfg, flops_per_s=1.0)
+    assert (s["step_s"], s["rollout_s"], s["update_s"]) == (3.0, 2.0, 1.0)
+    assert s["tokens_per_s"] == pytest.approx(36 / 9)
+    # R = 12/4 = 3 in the median step: tokens = 30 + 2·2·3 = 42, FLOP = (2 + 2 + 8)·100·42
+    assert s["flop_limit_s"] == pytest.approx(12 * 100 * 42)
+    assert s["flop_limit_ratio"] == pytest.approx(3.0 / (12 * 100 * 42))
+    assert s["peak_mb"] == 500.0
+
+
+def test_builtin_config_mirrors_yaml():
+    """The config shipped in bench.py is configs/cpu-bench.yaml."""
+    assert CPU_BENCH == yaml.safe_load((REPO / "configs" / "cpu-bench.yaml").read_text())
+
+
+def test_child_values_turn_off_eval_and_logging():
+    v = child_values(CPU_BENCH, 2, group_size=8)
+    assert (v["steps"], v["group_size"], v["eval_n"], v["sample_log_interval"], v["wandb"]) == (2, 8, 0, 0, False)
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(prog="llmrl")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["bench", *argv])
+
+
+def test_parser_defaults():
+    a = parse([])
+    assert (a.steps, a.no_trl, a.sweep, a.model, a.config, a.alternate, a.work_dir, a.json, a.num_threads) == (
+        3, False, False, None, None, 1, None, None, None)
+
+
+def test_trl_missing_is_one_clear_line(monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name, *a: None if name == "trl" else real(name, *a))
+    with pytest.raises(ConfigError, match=r'TRL not installed: pip install "llmrl\[bench\]" \(or run with --no_trl\)'):
+        cmd_bench(parse(["--steps", "1"]))
+    assert bench.main(["--steps", "1"]) == 2
+    assert capsys.readouterr().err == 'llmrl: error: TRL not installed: pip install "llmrl[bench]" (or run with --no_trl)\n'
+
+
+@pytest.fixture
+def one_thread_config(tmp_path) -> str:
+    """cpu-bench with one torch thread: on a small, busy machine the tiny model runs much faster so."""
+    path = tmp_path / "cpu-bench-1t.yaml"
+    path.write_text(yaml.safe_dump({**CPU_BENCH, "num_threads": 1}))
+    return str(path)
+
+
+def test_bench_no_trl_end_to_end(tiny_model_dir, one_thread_config, tmp_path, capsys):
+    out = tmp_path / "out.json"
+    args = parse(["--no_trl", "--steps", "1", "--model", tiny_model_dir, "--config", one_thread_config,
+                  "--json", str(out), "--matmul_seconds", "0.3", "--work_dir", str(tmp_path / "work")])
+    assert cmd_bench(args) == 0
+    printed = capsys.readouterr().out
+    assert "llmrl bench:" in printed and "speedup_vs_trl n/a" in printed
+    r = json.loads(out.read_text())
+    assert r["speedup_vs_trl"] is None and r["trl"] is None and r["sweep"] is None
+    assert r["num_threads"] == 1
+    for value in (r["flop_limit_ratio"], r["flop_limit_s"], r["matmul_gflops"], r["n_params"]):
+        assert math.isfinite(value) and value > 0
+    s = r["llmrl"]
+    for key in ("step_s", "rollout_s", "update_s", "tokens_per_s", "peak_mb", "flop_limit_s", "flop_limit_ratio",
+                "mean_completion_tokens", "prompt_tokens_per_step"):
+        assert math.isfinite(s[key]) and s[key] > 0, key
+    assert s["measured_steps"] == 1 and len(s["warmup"]) == 1
+    assert s["step_s"] == pytest.approx(s["rollout_s"] + s["update_s"])
+    assert len(s["steps"][0]["prompt_tokens"]) == CPU_BENCH["batch_size"]
+    assert (tmp_path / "work" / "round1-llmrl" / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.skipif(not HAS_TRL, reason="TRL not installed (pip install 'llmrl[bench]')")
+def test_trl_settings_map_one_generation_to_one_rl_step():
+    """TRL generates one batch of B·G completions and reuses it for num_iterations optimizer steps."""
+    from trl import GRPOConfig
+
+    from llmrl.bench_trl import trl_settings
+
+    args = GRPOConfig(output_dir="unused", use_cpu=True, **trl_settings({**CPU_BENCH, "top_k": 0, "repetition_penalty": 1.0,
+                                                                       "adam_beta1": 0.9, "adam_beta2": 0.95,
+                                                                       "weight_decay": 0.0}))
+    assert args.generation_batch_size == CPU_BENCH["batch_size"] * CPU_BENCH["group_size"] == 16
+    assert args.steps_per_generation == args.gradient_accumulation_steps == 2
+    assert args.num_iterations == 2 and args.max_steps == 2 * CPU_BENCH["steps"]
+    assert args.loss_type == "grpo" and args.beta == 0.05 and args.epsilon == 0.2 and not args.shuffle_dataset
+    with pytest.raises(ValueError):
+        trl_settings({**CPU_BENCH, "group_size": 8})
+
+
+@pytest.mark.skipif(not HAS_TRL, reason="TRL not installed (pip install 'llmrl[bench]')")
+def test_trl_side_one_step(tiny_model_dir, one_thread_config, tmp_path):
+    _, values = bench.bench_values(one_thread_config, tiny_model_dir)
+    r = bench.run_side("trl", child_values(values, 1), tmp_path / "trl", quiet=True)
+    assert r["side"] == "trl" and r["global_steps"] == 2 and r["n_params"] > 0 and r["max_rss_mb"] > 0
+    (step,) = r["steps"]
+    assert step["step_s"] > step["rollout_s"] > step["generate_s"] > 0
+    assert step["update_s"] > 0 and step["completion_tokens"] > 0
+    assert len(step["prompt_tokens"]) == CPU_BENCH["batch_size"]
