@@ -9,6 +9,7 @@ FAULT@N fires on the N-th occurrence in this process:
   kill_in_log      SIGKILL after writing half of the N-th metrics line
   enospc_in_save   the N-th checkpoint save fails with "No space left on device"
   slow_rollout     every rollout first sleeps one second (N unused)
+FAULT@N%R fires only in the process whose RANK is R (under torchrun).
 """
 
 import errno
@@ -92,5 +93,7 @@ def inject(fault: str, n: int) -> None:
 
 if __name__ == "__main__":
     name, _, at = sys.argv[1].partition("@")
-    inject(name, int(at or 1))
+    at, _, only_rank = at.partition("%")
+    if not only_rank or only_rank == os.environ.get("RANK", "0"):
+        inject(name, int(at or 1))
     sys.exit(main(sys.argv[2:]))

@@ -114,7 +114,7 @@ def remove_stale_temporaries(run_dir: Path) -> None:
 
 def save_checkpoint(
     run_dir: Path, step: int, model, optimizer: torch.optim.Optimizer, state: dict[str, Any],
-    generator: torch.Generator, keep: int = 0,
+    generator: torch.Generator, keep: int = 0, extra_rng: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write the checkpoint of `step` atomically, point `latest` at it, keep the newest `keep` (0: all)."""
     final = checkpoint_dir(run_dir, step)
@@ -124,7 +124,7 @@ def save_checkpoint(
         model.save_pretrained(tmp)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         plain, tensors = rng_state()
-        torch.save({**tensors, "shuffle": generator.get_state()}, tmp / "rng.pt")
+        torch.save({**tensors, **(extra_rng or {}), "shuffle": generator.get_state()}, tmp / "rng.pt")
         (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step, "rng": plain}))
         _write_manifest(tmp)
         if final.exists():
@@ -185,5 +185,6 @@ def load_checkpoint(path: Path, model, optimizer: torch.optim.Optimizer, generat
     tensors = load_tensors(path / "rng.pt")
     generator.set_state(tensors.pop("shuffle"))
     state = json.loads((path / "trainer_state.json").read_text())
+    state["rank_rng"] = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith("torch_rank")]}
     set_rng_state(state["rng"], tensors)
     return state

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="YAML file of config fields")
     train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest checkpoint (its config.yaml is the base)")
     train.add_argument("--overwrite", action="store_true", help="replace a run already in output_dir")
+    train.add_argument("--nproc", type=int, default=1, metavar="N",
+                       help="data-parallel processes on this machine: launches torchrun (default: 1)")
     add_config_options(train)
 
     ev = sub.add_parser("eval", help="evaluate a trained adapter (greedy)", description="Evaluate a run's newest checkpoint or an adapter directory.")
@@ -75,6 +78,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in vars(args).items() if k in FIELDS}
+
+
+def launch_torchrun(nproc: int, argv: list[str]) -> int:
+    """`llmrl train --nproc N ...` → `torchrun --standalone --nproc_per_node N -m llmrl train ...`."""
+    import subprocess
+
+    if nproc < 1:
+        raise ConfigError(f"--nproc {nproc}: must be at least 1")
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "llmrl", *rest]
+    print(f"llmrl: launching {nproc} processes: torchrun --standalone --nproc_per_node={nproc} -m llmrl {' '.join(rest)}",
+          file=sys.stderr, flush=True)
+    return subprocess.call(cmd, env=env)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -162,8 +187,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "train" and args.nproc != 1 and "WORLD_SIZE" not in os.environ:
+            base = Path(args.resume) / "config.yaml" if args.resume else args.config
+            cfg = load_config(base, overrides_from(args))  # report a bad config before starting N processes
+            if cfg.batch_size % max(args.nproc, 1):
+                raise ConfigError(f"batch_size={cfg.batch_size}: must be divisible by --nproc {args.nproc}")
+            return launch_torchrun(args.nproc, argv)
         if getattr(args, "config", None):
             read_yaml(args.config)  # report a bad file before anything heavy
         return {"train": cmd_train, "eval": cmd_eval, "grade": cmd_grade, "report": cmd_report, "bench": cmd_bench}[args.command](args)

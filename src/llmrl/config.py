@@ -87,6 +87,10 @@ class TrainConfig:
     device: str = doc("auto", "auto, cpu, cuda or cuda:N")
     dtype: str = doc("auto", "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16 or float16")
     num_threads: int = doc(0, "torch CPU threads (0 = torch's default)")
+    dist_timeout: float = doc(600.0, "seconds a rank waits for the others in a collective before the run fails (torchrun)")
+    fast: bool = doc(True, "all speed paths on; false: the plain path (recompute old log-probs, unmerged LoRA while sampling)")
+    logp_from_sampler: bool = doc(True, "old log-probs from the sampler's own temperature-1 logits (no second forward)")
+    merge_lora_sampling: bool = doc(True, "merge LoRA into the base weights while sampling (exact weights restored after)")
     # evaluation, logging, checkpoints
     eval_interval: int = doc(100, "evaluate every this many steps, and at the end (0 = only at the end)")
     eval_n: int | None = doc(None, "eval examples (default: the task's, 64 for format_copy, 512 for math_hard)")
@@ -139,7 +143,8 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 RESUME_MAY_CHANGE = {
     "steps", "output_dir", "eval_interval", "eval_n", "eval_batch_size", "eval_max_new_tokens", "save_interval",
     "keep_checkpoints", "sample_log_interval", "max_bad_steps", "strict_rewards", "wandb", "wandb_project", "tensorboard", "report",
-    "run_name", "num_threads", "device", "grade_time_limit", "grade_workers",
+    "run_name", "num_threads", "device", "grade_time_limit", "grade_workers", "fast", "dist_timeout", "logp_from_sampler",
+    "merge_lora_sampling",
 }
 
 
@@ -243,6 +248,8 @@ def validate(cfg: TrainConfig) -> None:
          f"must divide batch_size*group_size={cfg.rollout_size} so every completion weighs the same")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rule(cfg.batch_size % world == 0, "batch_size", f"must be divisible by the world size {world}")
+    rule(world == 1 or not cfg.dynamic_sampling, "dynamic_sampling", f"is single-process for now (WORLD_SIZE={world})")
+    rule(cfg.dist_timeout > 0, "dist_timeout", "must be positive")
     rule(cfg.device == "auto" or cfg.device == "cpu" or cfg.device.startswith("cuda"), "device", "must be auto, cpu, cuda or cuda:N")
     rule(cfg.long_prompts in ("truncate", "skip"), "long_prompts", "must be truncate or skip")
     rule(cfg.math_reward in ("seed", "verify"), "math_reward", "must be seed or verify")

@@ -10,11 +10,12 @@ temperature was used.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import DynamicCache
 
 from llmrl.algorithms.core import completion_mask, token_entropy, token_logprobs
@@ -120,14 +121,78 @@ def encode_prompts(tokenizer, messages: list[list[dict[str, str]]], max_prompt_t
     return ids.to(device), mask.to(device), truncated
 
 
+def mix(*parts: int) -> int:
+    """A 63-bit integer hash of integers (splitmix64 rounds): seeds for keyed noise."""
+    h = 0x9E3779B97F4A7C15
+    for p in parts:
+        h = (h ^ (p & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        h = (h ^ (h >> 31)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+    return h >> 1
+
+
+class KeyedSampler(LogitsProcessor):
+    """Sampling as a logits processor, with noise keyed by (row key, position) instead of a shared RNG.
+
+    temperature → top-k → top-p, then the Gumbel-max trick: argmax(log p + Gumbel) is a sample from p.
+    The scores it returns keep only the sampled token, so greedy `generate` picks it. Because each
+    row's noise depends only on its key, a completion does not depend on which other rows share the
+    batch: the same tokens come out with or without prefix sharing, dynamic-sampling rounds, or
+    data-parallel ranks. row_keys [N] ints; prompt_width: columns of input_ids before generation.
+    """
+
+    def __init__(self, row_keys: list[int], prompt_width: int, temperature: float, top_p: float, top_k: int):
+        self.row_keys, self.prompt_width = row_keys, prompt_width
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        logits = scores.float() / self.temperature  # [N, V]
+        if self.top_k > 0:
+            kth = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p < 1.0:
+            sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+            cumulative = sorted_logits.softmax(-1).cumsum(-1)
+            drop = cumulative - sorted_logits.softmax(-1) >= self.top_p  # tokens after the nucleus is full
+            logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+        t = input_ids.shape[1] - self.prompt_width
+        noise = torch.stack([
+            torch.rand(logits.shape[-1], generator=torch.Generator().manual_seed(mix(key, t)))
+            for key in self.row_keys
+        ]).to(logits.device)  # [N, V] uniform, keyed by (row, position)
+        gumbel = -torch.log(-torch.log(noise.clamp(1e-20, 1.0 - 1e-7)))
+        choice = torch.argmax(torch.log_softmax(logits, -1) + gumbel, dim=-1)  # [N]
+        out = torch.full_like(scores, float("-inf"))
+        return out.scatter(1, choice[:, None], 0.0)
+
+
+@contextlib.contextmanager
+def merged_lora(model, enabled: bool = True) -> Iterator[None]:
+    """Sample with LoRA merged into the base weights (one matmul per layer instead of three), then put
+    the exact original base weights back (a merge/unmerge round trip would drift by rounding)."""
+    layers = [m for m in model.modules() if hasattr(m, "merge") and hasattr(m, "base_layer")] if enabled else []
+    saved = [m.base_layer.weight.detach().clone() for m in layers]
+    try:
+        for m in layers:
+            m.merge()
+        yield
+    finally:
+        for m, w in zip(layers, saved):
+            if m.merged:
+                m.merged_adapters = []
+            m.base_layer.weight.data.copy_(w)
+
+
 @torch.no_grad()
 def generate(
-    model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int, gen_config: GenerationConfig
-) -> torch.Tensor:
-    """Sample `group_size` completions per prompt: [B, P] → sequences [B*G, P+T], prompt-major.
+    model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int, gen_config: GenerationConfig,
+    sampler: KeyedSampler | None = None, with_logits: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`group_size` completions per prompt: [B, P] → (sequences [B*G, P+T] prompt-major, and with
+    `with_logits` the raw (temperature-1, unprocessed) logits of each generated position [B*G, T, V]).
 
     The prompt minus its last token is prefilled once per prompt; the cache is repeated G times and
     `generate` continues from it, which gives the same tokens as generating from the repeated prompts.
+    With a `sampler`, tokens are drawn by it (gen_config must be greedy); otherwise by gen_config.
     """
     cache = DynamicCache(config=model.config)
     if prompt_ids.shape[1] > 1:
@@ -136,12 +201,28 @@ def generate(
             position_ids=position_ids(prompt_mask)[:, :-1], past_key_values=cache, use_cache=True, logits_to_keep=1,
         )
         cache.batch_repeat_interleave(group_size)
-    return model.generate(
+    gen_config = copy.copy(gen_config)
+    gen_config.return_dict_in_generate, gen_config.output_logits = True, with_logits
+    out = model.generate(
         input_ids=prompt_ids.repeat_interleave(group_size, 0),
         attention_mask=prompt_mask.repeat_interleave(group_size, 0),
         past_key_values=cache if prompt_ids.shape[1] > 1 else None,
         generation_config=gen_config,
+        logits_processor=LogitsProcessorList([sampler]) if sampler is not None else None,
     )
+    logits = torch.stack(out.logits, dim=1) if with_logits else None
+    return out.sequences, logits
+
+
+def sampler_logprobs(logits: torch.Tensor, sequences: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """log π(token) at temperature 1 from the sampler's raw logits, laid out like `sequence_logprobs`:
+    logits [N, T, V], sequences [N, P+T] → [N, P+T-1] (0 over the prompt)."""
+    n, length = sequences.shape
+    out = torch.zeros(n, length - 1, device=sequences.device)
+    tokens = sequences[:, prompt_len:]  # [N, T]
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[..., None]).squeeze(-1)  # [N, T]
+    out[:, prompt_len - 1 :] = logp
+    return out
 
 
 def generation_config(
@@ -167,27 +248,38 @@ def decode_completions(tokenizer, completions: torch.Tensor, lengths: torch.Tens
 
 def rollout(
     model, tokenizer, messages: list[list[dict[str, str]]], *, group_size: int, gen_config: GenerationConfig,
-    max_prompt_tokens: int, seed: int, with_ref: bool, chunk: int,
+    max_prompt_tokens: int, seed: int, with_ref: bool, chunk: int, temperature: float, top_p: float, top_k: int,
+    first_prompt: int = 0, logp_from_sampler: bool = True, merge_lora: bool = True,
 ) -> Rollout:
     """Sample G completions for each of B prompts and compute old and reference log-probs.
 
-    `seed` fixes the sampling noise of this call (pass one derived from the run seed and the step).
+    Row (b, g) draws its noise from key (seed, first_prompt + b, g): pass a seed derived from the run
+    seed and the step, and the global index of the first prompt. gen_config is greedy (the
+    KeyedSampler does the sampling). logp_from_sampler: old log-probs from the sampler's own logits
+    (else a second forward); merge_lora: sample with LoRA merged into the base weights.
     """
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()  # no LoRA dropout while sampling or scoring the behaviour policy
     prompt_ids, prompt_mask, truncated = encode_prompts(tokenizer, messages, max_prompt_tokens, device)
     prompt_len = prompt_ids.shape[1]
-    with seeded(seed, device):
-        sequences = generate(model, prompt_ids, prompt_mask, group_size, gen_config)  # [N, L]
+    keys = [mix(seed, first_prompt + b, g) for b in range(len(messages)) for g in range(group_size)]
+    sampler = KeyedSampler(keys, prompt_len, temperature, top_p, top_k)
+    with merged_lora(model, merge_lora):
+        sequences, logits = generate(model, prompt_ids, prompt_mask, group_size, gen_config, sampler,
+                                     with_logits=logp_from_sampler)  # [N, L], [N, T, V]
     attention = torch.ones_like(sequences)
     attention[:, :prompt_len] = prompt_mask.repeat_interleave(group_size, 0)
     mask, ended = completion_mask(sequences, prompt_len, gen_config.eos_token_id)
-    logp_old = batched_logprobs(model, sequences, attention, prompt_len, chunk)
+    if logits is not None:
+        logp_old = sampler_logprobs(logits, sequences, prompt_len) * mask
+        del logits
+    else:
+        logp_old = batched_logprobs(model, sequences, attention, prompt_len, chunk) * mask
     logp_ref = None
     if with_ref:
         with model.disable_adapter():
-            logp_ref = batched_logprobs(model, sequences, attention, prompt_len, chunk)
+            logp_ref = batched_logprobs(model, sequences, attention, prompt_len, chunk) * mask
     model.train(was_training)
     lengths = mask.sum(1)
     texts = decode_completions(tokenizer, sequences[:, prompt_len:], lengths, ended)

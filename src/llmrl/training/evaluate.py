@@ -6,17 +6,22 @@ from typing import Any
 
 import torch
 
-from llmrl.rollout.sampler import decode_completions, encode_prompts, eos_ids, generate, generation_config
+from llmrl.rollout.sampler import decode_completions, encode_prompts, eos_ids, generate, generation_config, merged_lora
 from llmrl.algorithms.core import completion_mask
 from llmrl.tasks import Example, Task
+from llmrl.training.distributed import Dist
 
 
 @torch.no_grad()
 def evaluate(
     model, tokenizer, task: Task, examples: list[Example], *, batch_size: int, max_prompt_tokens: int,
-    min_new_tokens: int, max_new_tokens: int,
+    min_new_tokens: int, max_new_tokens: int, merge_lora: bool = True, dist: Dist | None = None,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """Greedy-decode every example; return (metrics named eval/…, one sample row per example)."""
+    """Greedy-decode every example; return (metrics named eval/…, one sample row per example).
+    With several ranks, each decodes a contiguous shard and the texts are gathered."""
+    dist = dist or Dist()
+    per_rank = -(-len(examples) // dist.world)
+    mine = examples[dist.rank * per_rank : (dist.rank + 1) * per_rank]
     was_training = model.training
     model.eval()
     eos = eos_ids(model, tokenizer)
@@ -27,14 +32,17 @@ def evaluate(
     device = next(model.parameters()).device
     texts: list[str] = []
     truncated = 0
-    for i in range(0, len(examples), batch_size):
-        chunk = examples[i : i + batch_size]
+    for i in range(0, len(mine), batch_size):
+        chunk = mine[i : i + batch_size]
         ids, mask, _ = encode_prompts(tokenizer, [ex.messages for ex in chunk], max_prompt_tokens, device)
-        sequences = generate(model, ids, mask, 1, config)
+        with merged_lora(model, merge_lora):
+            sequences, _ = generate(model, ids, mask, 1, config)
         cmask, ended = completion_mask(sequences, ids.shape[1], eos)
         texts += decode_completions(tokenizer, sequences[:, ids.shape[1] :], cmask.sum(1), ended)
         truncated += int((~ended).sum())
     model.train(was_training)
+    gathered = dist.gather((texts, truncated))
+    texts, truncated = [t for part, _ in gathered for t in part], sum(n for _, n in gathered)
     if hasattr(task, "reward_batch"):
         rewards = task.reward_batch(examples, texts)
     else:

@@ -42,7 +42,8 @@ from llmrl.config import TrainConfig, resume_differences, save_config
 from llmrl.errors import ConfigError, RunStopped
 from llmrl.logger import EVAL_SAMPLES, METRICS, SAMPLES, RunLogger
 from llmrl.models.loading import add_lora, load_base_model, pick_device, pick_dtype
-from llmrl.rollout.sampler import concat_rollouts, eos_ids, generation_config, prompt_length, rollout, select_rows
+from llmrl.rollout.sampler import concat_rollouts, eos_ids, generation_config, mix, prompt_length, rollout, select_rows
+from llmrl.training.distributed import Dist, init_distributed
 from llmrl.tasks import Example, Reward, Task, task_from_config
 from llmrl.training.evaluate import evaluate
 from llmrl.training.update import policy_update, warmup_factor
@@ -73,12 +74,13 @@ def build_policy(cfg: TrainConfig):
     return model, tokenizer, device
 
 
-def run_eval(cfg: TrainConfig, model, tokenizer, task: Task) -> tuple[dict[str, float], list[dict[str, Any]]]:
+def run_eval(cfg: TrainConfig, model, tokenizer, task: Task, dist: Dist | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
     n = cfg.eval_n if cfg.eval_n is not None else task.eval_n_default
     return evaluate(
         model, tokenizer, task, task.eval_examples(n), batch_size=cfg.eval_batch_size,
         max_prompt_tokens=cfg.max_prompt_tokens, min_new_tokens=cfg.min_new_tokens,
-        max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
+        max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens, merge_lora=cfg.fast and cfg.merge_lora_sampling,
+        dist=dist,
     )
 
 
@@ -195,12 +197,33 @@ def draw_prompts(task: Task, tokenizer, cfg: TrainConfig, n: int) -> tuple[list[
     return kept, skipped
 
 
-def sample_and_score(model, tokenizer, task: Task, cfg: TrainConfig, gen_config, step: int, rank: int):
+# train/ statistics averaged over ranks before logging (the others are equal on every rank)
+MEAN_STATS = ("loss", "pg_loss", "kl", "clip_frac", "clip_frac_low", "clip_frac_high", "entropy")
+
+
+def restore_rank_rng(state: dict[str, Any], cfg: TrainConfig, dist: Dist) -> None:
+    """Give each rank its own saved RNG stream back; if the checkpoint came from another world size,
+    ranks without a saved stream start a fresh one (only LoRA dropout draws from it)."""
+    if not dist.enabled:
+        return
+    saved = state.get("rank_rng", {}).get(f"torch_rank{dist.rank}")
+    if saved is not None and state.get("world_size") == dist.world:
+        torch.set_rng_state(saved)
+        return
+    torch.manual_seed(mix(cfg.seed, 1 + dist.rank, state["step"]))
+    if dist.is_main:
+        print(f"llmrl: resuming a {state.get('world_size', 1)}-process checkpoint on {dist.world} processes: same "
+              "prompts, completions and updates; per-rank dropout RNG streams restart", file=sys.stderr)
+
+
+def sample_and_score(model, tokenizer, task: Task, cfg: TrainConfig, gen_config, step: int, dist: Dist):
     """Steps 1-3 of the loop: B prompts, G completions each, their rewards.
 
     With dynamic_sampling (DAPO), groups whose rewards are all equal are set aside and more prompts are
     sampled (up to dynamic_sampling_rounds rounds) until B groups have a spread; set-aside groups fill
-    whatever is still missing. Returns (owners [N] examples, Rollout, rewards [N], counts for logging).
+    whatever is still missing. With several ranks, every rank draws the same B prompts and samples
+    its share (dynamic sampling is single-process). Returns (owners [n] examples, Rollout, rewards [n],
+    counts for logging), n = this rank's completions.
     """
     g = cfg.group_size
     kept: list[tuple[list[Example], Any, list[Reward]]] = []  # groups with a reward spread
@@ -210,10 +233,15 @@ def sample_and_score(model, tokenizer, task: Task, cfg: TrainConfig, gen_config,
     while rounds < (cfg.dynamic_sampling_rounds if cfg.dynamic_sampling else 1) and len(kept) < cfg.batch_size:
         need = cfg.batch_size - len(kept) if cfg.dynamic_sampling else cfg.batch_size
         examples, skipped = draw_prompts(task, tokenizer, cfg, need)
+        first, stop = dist.shard(len(examples))
+        examples = examples[first:stop]
         out = rollout(
             model, tokenizer, [ex.messages for ex in examples], group_size=g, gen_config=gen_config,
-            max_prompt_tokens=cfg.max_prompt_tokens, seed=step_seed(cfg.seed, step, rank) + 7_777 * rounds,
-            with_ref=cfg.kl_coef > 0, chunk=cfg.minibatch_size,
+            max_prompt_tokens=cfg.max_prompt_tokens, seed=step_seed(cfg.seed, step, 0) + 7_777 * rounds,
+            first_prompt=first,
+            with_ref=cfg.kl_coef > 0, chunk=cfg.minibatch_size, temperature=cfg.temperature, top_p=cfg.top_p,
+            top_k=cfg.top_k, logp_from_sampler=cfg.fast and cfg.logp_from_sampler,
+            merge_lora=cfg.fast and cfg.merge_lora_sampling,
         )
         owners = [ex for ex in examples for _ in range(g)]  # prompt-major, like the completions
         rewards, errors = safe_rewards(task, owners, out.texts, cfg.strict_rewards, step)
@@ -249,19 +277,20 @@ def reward_shaping(cfg: TrainConfig, out) -> dict[str, torch.Tensor]:
 def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> TrainResult:
     """Train a LoRA policy with `cfg`; with `resume`, continue from the newest good checkpoint of
     output_dir; with `overwrite`, replace a run already in output_dir."""
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    if world != 1:
-        raise ConfigError(f"WORLD_SIZE={world}: multi-process training is not implemented yet; run one process")
-    is_main = rank == 0
+    dist = init_distributed(cfg.device, cfg.dist_timeout)
+    rank, is_main = dist.rank, dist.is_main
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     run_dir = Path(cfg.output_dir)
     checkpoint = find_resume_checkpoint(cfg, run_dir) if resume else None
     if is_main:
         prepare_run_dir(run_dir, resume, overwrite)
+    dist.barrier()
 
-    task = task_from_config(cfg, rank)  # before the model: a bad task or data file fails fast
+    task = task_from_config(cfg)  # before the model: a bad task or data file fails fast (same prompts on every rank)
     model, tokenizer, device = build_policy(cfg)
+    if dist.enabled:
+        torch.manual_seed(mix(cfg.seed, 1 + rank))  # per-rank stream for LoRA dropout
     report = getattr(task, "data_report", None)
     if report and is_main:
         print(f"llmrl: {cfg.task} data: {json.dumps(report)}", file=sys.stderr)
@@ -272,8 +301,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_factor(s, cfg.warmup_steps))
     shuffle = torch.Generator().manual_seed(cfg.seed + 1)
     eos = eos_ids(model, tokenizer)
-    gen_config = generation_config(
-        tokenizer, eos, do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+    gen_config = generation_config(  # greedy over the KeyedSampler's choice: sampling happens in rollout()
+        tokenizer, eos, do_sample=False, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
         repetition_penalty=cfg.repetition_penalty, min_new_tokens=cfg.min_new_tokens, max_new_tokens=cfg.max_new_tokens,
     )
 
@@ -282,6 +311,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
               "prompts_skipped": 0, "completions": 0, "train_seconds": 0.0}
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, model, optimizer, shuffle)
+        restore_rank_rng(state, cfg, dist)
         scheduler.load_state_dict(state["scheduler"])
         task.load_state_dict(state["task"])
         start, totals = state["step"] + 1, state["totals"]
@@ -292,7 +322,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
 
     def evaluate_and_log(step: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        metrics, rows = run_eval(cfg, model, tokenizer, task)
+        metrics, rows = run_eval(cfg, model, tokenizer, task, dist)
         metrics["time/eval_s"] = time.perf_counter() - t0
         logger.log(step, metrics)
         logger.log_samples(step, rows, eval=True)
@@ -303,11 +333,14 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
         return metrics
 
     def save(step: int) -> Path | None:
+        rank_rng = dist.gather(torch.get_rng_state())  # every rank's dropout stream, saved by rank 0
         if not is_main:
             return None
-        state = {"scheduler": scheduler.state_dict(), "task": task.state_dict(), "totals": totals, "config": cfg.to_dict()}
+        state = {"scheduler": scheduler.state_dict(), "task": task.state_dict(), "totals": totals, "config": cfg.to_dict(),
+                 "world_size": dist.world}
+        extra = {f"torch_rank{r}": t for r, t in enumerate(rank_rng)} if dist.enabled else {}
         try:
-            return save_checkpoint(run_dir, step, model, optimizer, state, shuffle, keep=cfg.keep_checkpoints)
+            return save_checkpoint(run_dir, step, model, optimizer, state, shuffle, keep=cfg.keep_checkpoints, extra_rng=extra)
         except OSError as e:
             previous = latest_checkpoint(run_dir, report=lambda _: None)
             raise RunStopped(f"could not write the checkpoint of step {step}: {e.strerror or e}; "
@@ -324,7 +357,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
         for step in bar:
             # 1-3. sample prompts, complete them G times, score the completions (DAPO: refill flat groups)
             t0 = time.perf_counter()
-            owners, out, rewards, sampling = sample_and_score(model, tokenizer, task, cfg, gen_config, step, rank)
+            owners, out, rewards, sampling = sample_and_score(model, tokenizer, task, cfg, gen_config, step, dist)
             rewards_t = torch.tensor([r.total for r in rewards], dtype=torch.float32)
             shaping = reward_shaping(cfg, out)  # overlong penalty, KL-in-reward: [N] each
             for name, values in shaping.items():
@@ -334,8 +367,15 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
             if cfg.overlong_filter:
                 out.completion_mask[~out.ended] = 0.0  # truncated completions teach nothing
             rollout_s = time.perf_counter() - t0
+            # every rank's share, in rank order (global row order): for advantages, logging and samples
+            parts = dist.gather({"rewards": rewards, "rewards_t": rewards_t, "lengths": out.completion_lens.cpu(),
+                                 "ended": out.ended.cpu(), "texts": out.texts, "owners": owners, "sampling": sampling,
+                                 "prompts_truncated": out.prompts_truncated})
+            local_rewards_t, rewards_t = rewards_t, torch.cat([p["rewards_t"] for p in parts])  # [N]
+            rewards = [r for p in parts for r in p["rewards"]]
+            row0 = sum(len(p["rewards"]) for p in parts[:rank])  # this rank's first global row
 
-            # 4. advantages
+            # 4. advantages (over the global batch: every estimator is exact with any number of ranks)
             adv = estimator(rewards_t, cfg.group_size)
             if cfg.normalize_advantages:
                 adv = normalize_advantages(adv)
@@ -344,15 +384,17 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
             # 5. update
             t0 = time.perf_counter()
             batch = {"input_ids": out.input_ids, "attention_mask": out.attention_mask, "completion_mask": out.completion_mask,
-                     "logp_old": out.logp_old, "adv": adv.to(device)}
+                     "logp_old": out.logp_old, "adv": adv[row0 : row0 + len(local_rewards_t)].to(device)}
             if out.logp_ref is not None:
                 batch["logp_ref"] = out.logp_ref
             stats = policy_update(
                 model, optimizer, scheduler, batch, prompt_len=out.prompt_len, loss_fn=loss_fn, ppo_epochs=cfg.ppo_epochs,
                 minibatch_size=cfg.minibatch_size, grad_accum_steps=cfg.grad_accum_steps, loss_settings=cfg.loss_settings,
                 kl_coef=0.0 if cfg.kl_in_reward else cfg.kl_coef, kl_estimator=cfg.kl_estimator,
-                max_grad_norm=cfg.max_grad_norm, generator=shuffle,
+                max_grad_norm=cfg.max_grad_norm, generator=shuffle, dist=dist, offset=row0,
+                lengths=torch.cat([p["lengths"] for p in parts]).to(device),
             )
+            stats = {k: sum(s[k] for s in dist.gather(stats)) / dist.world if k in MEAN_STATS else v for k, v in stats.items()}
             update_s = time.perf_counter() - t0
 
             # 6. log
@@ -360,11 +402,13 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
             totals["bad_in_a_row"] = trailing if steps_taken else totals["bad_in_a_row"] + skipped
             totals["optimizer_steps"] += steps_taken
             totals["skipped_updates"] += skipped
+            sampling = {k: sum(p["sampling"][k] for p in parts) for k in sampling}
             totals["reward_errors"] += sampling.pop("reward_errors")
             totals["prompts_skipped"] += sampling.pop("prompts_skipped")
             totals["completions"] += len(rewards)
             totals["train_seconds"] += rollout_s + update_s
-            lengths = out.completion_lens.float()
+            lengths = torch.cat([p["lengths"] for p in parts]).float()
+            ended = torch.cat([p["ended"] for p in parts])
             last = {
                 **reward_metrics(rewards, adv, rewards_t, cfg.group_size),
                 **{f"train/{k}": v for k, v in stats.items()},
@@ -373,8 +417,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
                 "reward/errors": totals["reward_errors"],
                 "rollout/completion_len": lengths.mean().item(),
                 "rollout/completion_len_max": lengths.max().item(),
-                "rollout/truncated_frac": (~out.ended).float().mean().item(),
-                "rollout/prompts_truncated": out.prompts_truncated,
+                "rollout/truncated_frac": (~ended).float().mean().item(),
+                "rollout/prompts_truncated": sum(p["prompts_truncated"] for p in parts),
                 "rollout/prompts_skipped": totals["prompts_skipped"],
                 **{f"rollout/{k}": v for k, v in sampling.items()},
                 "rollout/completions": totals["completions"],
@@ -387,24 +431,28 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
                 logger.log_samples(step, [
                     {"prompt": ex.messages[-1]["content"], "answer": ex.answer, "completion": text, "reward": r.total,
                      "components": r.components, "advantage": a, "ended": bool(e)}
-                    for ex, text, r, a, e in zip(owners, out.texts, rewards, adv.tolist(), out.ended.tolist())
+                    for ex, text, r, a, e in zip([o for p in parts for o in p["owners"]], [t for p in parts for t in p["texts"]],
+                                                 rewards, adv.tolist(), ended.tolist())
                 ])
             bar.set_postfix(reward=f"{last['reward/mean']:.3f}", kl=f"{last['train/kl']:.4f}", loss=f"{last['train/loss']:.4f}")
 
             # 7. eval, 8. save
             final = step == cfg.steps
+            stopping = dist.any(stop.signal is not None)  # a signal on any rank stops every rank after this step
             if totals["bad_in_a_row"] >= cfg.max_bad_steps:
                 path = save(step)
                 raise RunStopped(f"step {step}: {totals['bad_in_a_row']} non-finite updates in a row (max_bad_steps="
                                  f"{cfg.max_bad_steps}); parameters are the last good ones, saved in {path}")
             if eval_on and (final or (cfg.eval_interval and step % cfg.eval_interval == 0)):
                 last |= evaluate_and_log(step)
-            if final or (cfg.save_interval and step % cfg.save_interval == 0) or stop.signal:
+            if final or (cfg.save_interval and step % cfg.save_interval == 0) or stopping:
                 path = save(step)
-            if stop.signal and not final:
+            if stopping and not final:
                 bar.close()
-                print(f"llmrl: stopped by {stop.signal} after step {step}; checkpoint {path}\n"
-                      f"llmrl: resume with: llmrl train --resume {run_dir}", file=sys.stderr, flush=True)
+                if is_main:
+                    print(f"llmrl: stopped by {stop.signal or 'a signal on another rank'} after step {step}; "
+                          f"checkpoint {path}\nllmrl: resume with: llmrl train --resume {run_dir}", file=sys.stderr, flush=True)
                 break
     logger.close()
+    dist.close()
     return TrainResult(model=model, tokenizer=tokenizer, run_dir=run_dir, last_metrics=last)

@@ -10,6 +10,7 @@ import torch
 from llmrl.algorithms.core import KL_ESTIMATORS, masked_mean
 from llmrl.algorithms.losses import LossFn, LossSettings
 from llmrl.rollout.sampler import sequence_logprobs
+from llmrl.training.distributed import Dist, all_reduce_grads
 
 
 def warmup_factor(optimizer_step: int, warmup_steps: int) -> float:
@@ -54,22 +55,32 @@ def policy_update(
     model, optimizer: torch.optim.Optimizer, scheduler, batch: dict[str, torch.Tensor], *, prompt_len: int,
     loss_fn: LossFn, ppo_epochs: int, minibatch_size: int, grad_accum_steps: int, loss_settings: LossSettings,
     kl_coef: float, max_grad_norm: float, generator: torch.Generator, kl_estimator: str = "k3",
+    dist: Dist | None = None, offset: int = 0, lengths: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """Run `ppo_epochs` passes of minibatch updates over one rollout.
 
-    batch: input_ids, attention_mask [N, L]; completion_mask, logp_old, (logp_ref) [N, L-1]; adv [N].
+    batch: input_ids, attention_mask [n, L]; completion_mask, logp_old, (logp_ref) [n, L-1]; adv [n]:
+    this rank's rows, global rows [offset, offset + n) of the step's N (one process: all of them).
+    Minibatches are drawn from a permutation of all N global rows (same on every rank); each rank
+    computes its rows' share, weighted by its share of the minibatch's rows (or tokens, for token
+    means; `lengths` [N] holds every row's completion tokens), and the ranks' gradients are summed.
     loss = (pg + kl_coef·KL) / grad_accum_steps, KL the token mean of KL_ESTIMATORS[kl_estimator]
     (kl_coef 0: no KL term, and the batch needs no logp_ref); an optimizer step every `grad_accum_steps`
     minibatches and one more for a remainder at the end of each pass. A non-finite loss or gradient
     norm skips that optimizer step (counted in `skipped_updates`).
-    Returns means over minibatches of loss, pg, kl, clip_frac, entropy; grad_norm mean over steps;
+    Returns means over minibatches of loss, pg, kl, clip fractions, entropy; grad_norm mean over steps;
     lr of the last optimizer step; counts of optimizer steps taken and skipped, and of skips since
     the last step taken.
     """
+    dist = dist or Dist()
     params = [p for p in model.parameters() if p.requires_grad]
     sums: dict[str, float] = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "clip_frac_low": 0.0,
                               "clip_frac_high": 0.0, "entropy": 0.0}
     kl_fn = KL_ESTIMATORS[kl_estimator]
+    n_local = batch["adv"].shape[0]
+    lengths = batch["completion_mask"].sum(1) if lengths is None else lengths  # [N] tokens per global row
+    n_global = lengths.shape[0]
+    by_tokens = loss_settings.aggregate == "token_mean"
     grad_norms: list[float] = []
     lr = float("nan")  # the learning rate of the last optimizer step taken
     minibatches = optimizer_steps = skipped = trailing = 0  # trailing: skips since the last step taken
@@ -77,27 +88,35 @@ def policy_update(
     for _epoch in range(ppo_epochs):
         pending = 0  # minibatches accumulated since the last optimizer step
         bad = False  # a non-finite loss was seen in this accumulation window
-        n_mb = -(-batch["adv"].shape[0] // minibatch_size)
-        for i, mb in enumerate(iter_minibatches(batch, minibatch_size, generator)):
-            mb = trim_to_completions(mb, prompt_len)
-            mask = mb["completion_mask"]
-            logp_new, entropy = sequence_logprobs(model, mb["input_ids"], mb["attention_mask"], prompt_len, with_entropy=True)
-            pg, stats = loss_fn(logp_new, mb["logp_old"], mb["adv"], mask, loss_settings)
-            kl = masked_mean(kl_fn(logp_new, mb["logp_ref"]), mask) if kl_coef > 0 else torch.zeros((), device=pg.device)
-            loss = (pg + kl_coef * kl) / grad_accum_steps
-            if torch.isfinite(loss):
-                loss.backward()
-            else:
-                bad = True
+        order = torch.randperm(n_global, generator=generator)
+        n_mb = -(-n_global // minibatch_size)
+        for i in range(n_mb):
+            rows = order[i * minibatch_size : (i + 1) * minibatch_size]  # global rows of this minibatch
+            own = rows[(rows >= offset) & (rows < offset + n_local)]
+            if len(own):
+                row_share = len(own) / len(rows)  # 1 in one process
+                token_share = (lengths[own].sum() / lengths[rows].sum().clamp(min=1)).item()
+                local = (own - offset).to(batch["adv"].device)
+                mb = trim_to_completions({k: v[local] for k, v in batch.items()}, prompt_len)
+                mask = mb["completion_mask"]
+                logp_new, entropy = sequence_logprobs(model, mb["input_ids"], mb["attention_mask"], prompt_len, with_entropy=True)
+                pg, stats = loss_fn(logp_new, mb["logp_old"], mb["adv"], mask, loss_settings)
+                kl = masked_mean(kl_fn(logp_new, mb["logp_ref"]), mask) if kl_coef > 0 else torch.zeros((), device=pg.device)
+                loss = (pg * (token_share if by_tokens else row_share) + kl_coef * kl * token_share) / grad_accum_steps
+                if torch.isfinite(loss):
+                    loss.backward()
+                else:
+                    bad = True
+                minibatches += 1
+                sums["loss"] += (pg + kl_coef * kl).item()
+                sums["pg_loss"] += pg.item()
+                sums["kl"] += kl.item()
+                for key in ("clip_frac", "clip_frac_low", "clip_frac_high"):
+                    sums[key] += stats.get(key, 0.0)
+                sums["entropy"] += masked_mean(entropy, mask).item()
             pending += 1
-            minibatches += 1
-            sums["loss"] += loss.item() * grad_accum_steps
-            sums["pg_loss"] += pg.item()
-            sums["kl"] += kl.item()
-            for key in ("clip_frac", "clip_frac_low", "clip_frac_high"):
-                sums[key] += stats.get(key, 0.0)
-            sums["entropy"] += masked_mean(entropy, mask).item()
             if pending == grad_accum_steps or i == n_mb - 1:
+                bad = all_reduce_grads(params, bad, dist)
                 norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
                 if bad or not math.isfinite(norm):
                     skipped += 1

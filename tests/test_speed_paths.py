@@ -1,0 +1,94 @@
+"""Each speed path against the plain path on the tiny model (tolerance 1e-5): old log-probs from the
+sampler's logits vs a recomputation, LoRA merged vs unmerged while sampling, keyed sampling that does
+not depend on the batch, with pad == eos, truncated completions and different prompt lengths."""
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from llmrl.models.loading import add_lora
+from llmrl.rollout.sampler import KeyedSampler, batched_logprobs, eos_ids, generation_config, rollout
+
+MESSAGES = [
+    [{"role": "user", "content": "Hi."}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me a much longer story about a cat."}],
+    [{"role": "user", "content": "Count to three, please."}],
+]
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    torch.manual_seed(1)
+    model = add_lora(base, 4, 8, 0.0, ["q_proj", "v_proj", "up_proj"], False)
+    with torch.no_grad():  # LoRA B starts at 0; give it weight so merging matters
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    assert tok.pad_token_id == tok.eos_token_id
+    return model, tok
+
+
+def sample(model, tok, messages, extra_eos=(), **kw):
+    eos = eos_ids(model, tok) + list(extra_eos)
+    cfg = generation_config(tok, eos, do_sample=False, temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0,
+                            min_new_tokens=1, max_new_tokens=8)
+    args = dict(group_size=3, gen_config=cfg, max_prompt_tokens=64, seed=11, with_ref=False, chunk=4,
+                temperature=0.9, top_p=0.95, top_k=0)
+    return rollout(model, tok, messages, **{**args, **kw})
+
+
+def test_sampler_logprobs_equal_a_recomputation(policy):
+    model, tok = policy
+    first = sample(model, tok, MESSAGES, logp_from_sampler=True, merge_lora=False)
+    stop = int(first.input_ids[0, first.prompt_len + 3])  # a second EOS id (pad == eos == 2 stays one)
+    fast = sample(model, tok, MESSAGES, extra_eos=[stop], logp_from_sampler=True, merge_lora=False)
+    assert fast.ended.any() and not fast.ended.all(), "want both ended and truncated completions"
+    again = batched_logprobs(model.eval(), fast.input_ids, fast.attention_mask, fast.prompt_len, 4) * fast.completion_mask
+    assert torch.allclose(fast.logp_old, again, atol=1e-5)
+    plain = sample(model, tok, MESSAGES, extra_eos=[stop], logp_from_sampler=False, merge_lora=False)
+    assert torch.equal(plain.input_ids, fast.input_ids)
+    assert torch.allclose(plain.logp_old, fast.logp_old, atol=1e-5)
+
+
+def test_merged_lora_samples_the_same_and_restores_the_weights(policy):
+    model, tok = policy
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    merged = sample(model, tok, MESSAGES, merge_lora=True)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # bit for bit
+    assert not any(getattr(m, "merged", False) for m in model.modules())
+    plain = sample(model, tok, MESSAGES, merge_lora=False)
+    assert torch.equal(merged.input_ids, plain.input_ids)
+    assert torch.allclose(merged.logp_old, plain.logp_old, atol=1e-5)
+
+
+def test_keyed_sampling_does_not_depend_on_the_batch(policy):
+    """Prompt 2 alone (as prompt index 2) gets the same completions as inside the 3-prompt batch,
+    although its padding and batch neighbours differ."""
+    model, tok = policy
+    full = sample(model, tok, MESSAGES)
+    alone = sample(model, tok, MESSAGES[2:], first_prompt=2)
+    assert full.texts[6:] == alone.texts
+    other_seed = sample(model, tok, MESSAGES, seed=12)
+    assert other_seed.texts != full.texts
+
+
+def test_keyed_sampler_draws_from_the_tempered_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    n = 4000
+    counts = Counter()
+    for key in range(n):
+        s = KeyedSampler([key], prompt_width=0, temperature=1.0, top_p=0.9, top_k=0)
+        out = s(torch.zeros(1, 0, dtype=torch.long), logits.clone())
+        counts[int(out.argmax())] += 1
+    # nucleus 0.9 keeps tokens 0-2 (0.5 + 0.3 < 0.9 ≤ 0.95), renormalised: 0.5/0.95, 0.3/0.95, 0.15/0.95
+    assert counts[3] == 0
+    for token, p in ((0, 0.5 / 0.95), (1, 0.3 / 0.95), (2, 0.15 / 0.95)):
+        assert abs(counts[token] / n - p) < 4 * math.sqrt(p * (1 - p) / n)
+    hot = KeyedSampler([0], 0, temperature=1.0, top_p=1.0, top_k=1)(torch.zeros(1, 0, dtype=torch.long), logits.clone())
+    assert int(hot.argmax()) == 0 and torch.isinf(hot[0, 1:]).all()
