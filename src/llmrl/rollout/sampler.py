@@ -70,13 +70,53 @@ def sequence_logprobs(
     return logp, entropy
 
 
+def shared_prefix_logprobs(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, group: torch.Tensor,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`sequence_logprobs` with each prompt run once for all the rows that share it (rows with equal
+    `group` [N] have identical left-padded prompts): the prompts' KV cache, with gradient, is indexed
+    out to the rows, which then run only their completion tokens. U·P + N·T tokens instead of N·(P + T).
+    """
+    n, length = input_ids.shape
+    uniq, inverse = torch.unique(group, return_inverse=True)  # inverse [N]: row → its prompt
+    first = torch.empty(len(uniq), dtype=torch.long, device=input_ids.device)
+    first.scatter_(0, inverse.flip(0), torch.arange(n - 1, -1, -1, device=input_ids.device))  # a row of each prompt
+    prompt_mask = attention_mask[first, :prompt_len]
+    cache = DynamicCache(config=model.config)
+    head = model(input_ids=input_ids[first, :prompt_len], attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
+                 past_key_values=cache, use_cache=True, logits_to_keep=1).logits  # [U, 1, V]: scores token P
+    parts = [head[inverse]]
+    if length - prompt_len > 1:
+        cache.batch_select_indices(inverse.to(input_ids.device))
+        parts.append(model(
+            input_ids=input_ids[:, prompt_len:-1], attention_mask=attention_mask[:, :-1],
+            position_ids=position_ids(attention_mask)[:, prompt_len:-1], past_key_values=cache, use_cache=True,
+        ).logits)  # [N, T-1, V]: score tokens P+1 … L-1
+    logits = torch.cat(parts, dim=1)  # [N, T, V]
+    targets = input_ids[:, prompt_len:]  # [N, T]
+    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="none")
+    logp = torch.cat([torch.zeros(n, prompt_len - 1, device=input_ids.device), -nll.view(n, -1)], dim=1)  # [N, L-1]
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = torch.zeros(n, length - 1, device=input_ids.device)
+            entropy[:, prompt_len - 1 :] = token_entropy(logits.detach())
+    return logp, entropy
+
+
 @torch.no_grad()
-def batched_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, chunk: int) -> torch.Tensor:
-    """`sequence_logprobs` without grad, `chunk` rows at a time: [N, L] → [N, L-1]."""
-    parts = [
-        sequence_logprobs(model, input_ids[i : i + chunk], attention_mask[i : i + chunk], prompt_len)[0]
-        for i in range(0, input_ids.shape[0], chunk)
-    ]
+def batched_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, chunk: int,
+                     group: torch.Tensor | None = None) -> torch.Tensor:
+    """`sequence_logprobs` without grad, `chunk` rows at a time: [N, L] → [N, L-1]. With `group` [N],
+    rows sharing a prompt run it once (`shared_prefix_logprobs`)."""
+    parts = []
+    for i in range(0, input_ids.shape[0], chunk):
+        rows = slice(i, i + chunk)
+        if group is None:
+            parts.append(sequence_logprobs(model, input_ids[rows], attention_mask[rows], prompt_len)[0])
+        else:
+            parts.append(shared_prefix_logprobs(model, input_ids[rows], attention_mask[rows], prompt_len, group[rows])[0])
     return torch.cat(parts)
 
 
@@ -249,14 +289,15 @@ def decode_completions(tokenizer, completions: torch.Tensor, lengths: torch.Tens
 def rollout(
     model, tokenizer, messages: list[list[dict[str, str]]], *, group_size: int, gen_config: GenerationConfig,
     max_prompt_tokens: int, seed: int, with_ref: bool, chunk: int, temperature: float, top_p: float, top_k: int,
-    first_prompt: int = 0, logp_from_sampler: bool = True, merge_lora: bool = True,
+    first_prompt: int = 0, logp_from_sampler: bool = True, merge_lora: bool = True, shared_prefix: bool = True,
 ) -> Rollout:
     """Sample G completions for each of B prompts and compute old and reference log-probs.
 
     Row (b, g) draws its noise from key (seed, first_prompt + b, g): pass a seed derived from the run
     seed and the step, and the global index of the first prompt. gen_config is greedy (the
     KeyedSampler does the sampling). logp_from_sampler: old log-probs from the sampler's own logits
-    (else a second forward); merge_lora: sample with LoRA merged into the base weights.
+    (else a second forward); merge_lora: sample with LoRA merged into the base weights; shared_prefix:
+    forward passes run each prompt once for its group.
     """
     device = next(model.parameters()).device
     was_training = model.training
@@ -271,15 +312,17 @@ def rollout(
     attention = torch.ones_like(sequences)
     attention[:, :prompt_len] = prompt_mask.repeat_interleave(group_size, 0)
     mask, ended = completion_mask(sequences, prompt_len, gen_config.eos_token_id)
+    group = torch.arange(len(keys), device=device) // group_size if shared_prefix else None
+    chunk = max(chunk, group_size) if shared_prefix else chunk  # a chunk holds whole groups
     if logits is not None:
         logp_old = sampler_logprobs(logits, sequences, prompt_len) * mask
         del logits
     else:
-        logp_old = batched_logprobs(model, sequences, attention, prompt_len, chunk) * mask
+        logp_old = batched_logprobs(model, sequences, attention, prompt_len, chunk, group) * mask
     logp_ref = None
     if with_ref:
         with model.disable_adapter():
-            logp_ref = batched_logprobs(model, sequences, attention, prompt_len, chunk) * mask
+            logp_ref = batched_logprobs(model, sequences, attention, prompt_len, chunk, group) * mask
     model.train(was_training)
     lengths = mask.sum(1)
     texts = decode_completions(tokenizer, sequences[:, prompt_len:], lengths, ended)

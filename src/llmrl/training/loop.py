@@ -241,7 +241,7 @@ def sample_and_score(model, tokenizer, task: Task, cfg: TrainConfig, gen_config,
             first_prompt=first,
             with_ref=cfg.kl_coef > 0, chunk=cfg.minibatch_size, temperature=cfg.temperature, top_p=cfg.top_p,
             top_k=cfg.top_k, logp_from_sampler=cfg.fast and cfg.logp_from_sampler,
-            merge_lora=cfg.fast and cfg.merge_lora_sampling,
+            merge_lora=cfg.fast and cfg.merge_lora_sampling, shared_prefix=cfg.fast and cfg.shared_prefix,
         )
         owners = [ex for ex in examples for _ in range(g)]  # prompt-major, like the completions
         rewards, errors = safe_rewards(task, owners, out.texts, cfg.strict_rewards, step)
@@ -384,7 +384,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
             # 5. update
             t0 = time.perf_counter()
             batch = {"input_ids": out.input_ids, "attention_mask": out.attention_mask, "completion_mask": out.completion_mask,
-                     "logp_old": out.logp_old, "adv": adv[row0 : row0 + len(local_rewards_t)].to(device)}
+                     "logp_old": out.logp_old, "adv": adv[row0 : row0 + len(local_rewards_t)].to(device),
+                     "group": torch.arange(len(local_rewards_t), device=device) // cfg.group_size}
             if out.logp_ref is not None:
                 batch["logp_ref"] = out.logp_ref
             stats = policy_update(
@@ -393,6 +394,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
                 kl_coef=0.0 if cfg.kl_in_reward else cfg.kl_coef, kl_estimator=cfg.kl_estimator,
                 max_grad_norm=cfg.max_grad_norm, generator=shuffle, dist=dist, offset=row0,
                 lengths=torch.cat([p["lengths"] for p in parts]).to(device),
+                shared_prefix=cfg.fast and cfg.shared_prefix and not cfg.gradient_checkpointing,
             )
             stats = {k: sum(s[k] for s in dist.gather(stats)) / dist.world if k in MEAN_STATS else v for k, v in stats.items()}
             update_s = time.perf_counter() - t0

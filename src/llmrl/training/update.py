@@ -9,7 +9,7 @@ import torch
 
 from llmrl.algorithms.core import KL_ESTIMATORS, masked_mean
 from llmrl.algorithms.losses import LossFn, LossSettings
-from llmrl.rollout.sampler import sequence_logprobs
+from llmrl.rollout.sampler import sequence_logprobs, shared_prefix_logprobs
 from llmrl.training.distributed import Dist, all_reduce_grads
 
 
@@ -55,7 +55,7 @@ def policy_update(
     model, optimizer: torch.optim.Optimizer, scheduler, batch: dict[str, torch.Tensor], *, prompt_len: int,
     loss_fn: LossFn, ppo_epochs: int, minibatch_size: int, grad_accum_steps: int, loss_settings: LossSettings,
     kl_coef: float, max_grad_norm: float, generator: torch.Generator, kl_estimator: str = "k3",
-    dist: Dist | None = None, offset: int = 0, lengths: torch.Tensor | None = None,
+    dist: Dist | None = None, offset: int = 0, lengths: torch.Tensor | None = None, shared_prefix: bool = False,
 ) -> dict[str, float]:
     """Run `ppo_epochs` passes of minibatch updates over one rollout.
 
@@ -70,7 +70,7 @@ def policy_update(
     norm skips that optimizer step (counted in `skipped_updates`).
     Returns means over minibatches of loss, pg, kl, clip fractions, entropy; grad_norm mean over steps;
     lr of the last optimizer step; counts of optimizer steps taken and skipped, and of skips since
-    the last step taken.
+    the last step taken. shared_prefix: rows with the same batch["group"] run their prompt once.
     """
     dist = dist or Dist()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -99,7 +99,11 @@ def policy_update(
                 local = (own - offset).to(batch["adv"].device)
                 mb = trim_to_completions({k: v[local] for k, v in batch.items()}, prompt_len)
                 mask = mb["completion_mask"]
-                logp_new, entropy = sequence_logprobs(model, mb["input_ids"], mb["attention_mask"], prompt_len, with_entropy=True)
+                if shared_prefix:
+                    logp_new, entropy = shared_prefix_logprobs(model, mb["input_ids"], mb["attention_mask"], prompt_len,
+                                                               mb["group"], with_entropy=True)
+                else:
+                    logp_new, entropy = sequence_logprobs(model, mb["input_ids"], mb["attention_mask"], prompt_len, with_entropy=True)
                 pg, stats = loss_fn(logp_new, mb["logp_old"], mb["adv"], mask, loss_settings)
                 kl = masked_mean(kl_fn(logp_new, mb["logp_ref"]), mask) if kl_coef > 0 else torch.zeros((), device=pg.device)
                 loss = (pg * (token_share if by_tokens else row_share) + kl_coef * kl * token_share) / grad_accum_steps
