@@ -144,3 +144,38 @@ def test_fast_and_plain_paths_train_alike(tmp_path, tiny_model_dir):
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-4
     sa, sb = (read_jsonl(runs[f] / "samples.jsonl") for f in ("true", "false"))
     assert [x["completion"] for x in sa] == [x["completion"] for x in sb]
+
+
+@pytest.mark.parametrize("aggregate", ["seq_mean_token_mean", "token_mean"])
+def test_fused_accumulation_window_equals_separate_minibatches(policy, aggregate):
+    """One forward for the minibatches of an optimizer step gives the same update as one per minibatch."""
+    from llmrl.algorithms.losses import LOSSES, LossSettings
+    from llmrl.training.update import policy_update
+
+    model, tok = policy
+    r = sample(model, tok, MESSAGES, with_ref=True)
+    batch = {"input_ids": r.input_ids, "attention_mask": r.attention_mask, "completion_mask": r.completion_mask,
+             "logp_old": r.logp_old, "logp_ref": r.logp_ref, "adv": torch.linspace(-1, 1, 9),
+             "group": torch.arange(9) // 3}
+    start = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
+    results = {}
+    for fuse in (False, True):
+        with torch.no_grad():
+            for k, v in model.named_parameters():
+                if v.requires_grad:
+                    v.copy_(start[k])
+        model.zero_grad(set_to_none=True)  # no gradient left over from other tests
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.SGD(params, lr=0.5)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        stats = policy_update(model, opt, sched, batch, prompt_len=r.prompt_len, loss_fn=LOSSES["grpo"], ppo_epochs=2,
+                              minibatch_size=2, grad_accum_steps=3, loss_settings=LossSettings(aggregate=aggregate),
+                              kl_coef=0.1, max_grad_norm=1e9, generator=torch.Generator().manual_seed(0),
+                              shared_prefix=fuse, fuse_accumulation=fuse)
+        results[fuse] = ({k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}, stats)
+    (w0, s0), (w1, s1) = results[False], results[True]
+    assert s0["optimizer_steps"] == s1["optimizer_steps"] == 4  # 5 minibatches: windows of 3 + 2, two epochs
+    assert max((w0[k] - w1[k]).abs().max().item() for k in w0) <= 1e-5
+    assert max((w0[k] - start[k]).abs().max().item() for k in w0) > 1e-3  # the update did move the weights
+    for key in ("loss", "kl", "entropy", "grad_norm"):
+        assert s1[key] == pytest.approx(s0[key], abs=1e-5)

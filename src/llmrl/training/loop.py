@@ -395,6 +395,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
                 max_grad_norm=cfg.max_grad_norm, generator=shuffle, dist=dist, offset=row0,
                 lengths=torch.cat([p["lengths"] for p in parts]).to(device),
                 shared_prefix=cfg.fast and cfg.shared_prefix and not cfg.gradient_checkpointing,
+                fuse_accumulation=cfg.fast and (cfg.fuse_accumulation if cfg.fuse_accumulation is not None else device.type == "cpu"),
             )
             stats = {k: sum(s[k] for s in dist.gather(stats)) / dist.world if k in MEAN_STATS else v for k, v in stats.items()}
             update_s = time.perf_counter() - t0

@@ -56,6 +56,7 @@ def policy_update(
     loss_fn: LossFn, ppo_epochs: int, minibatch_size: int, grad_accum_steps: int, loss_settings: LossSettings,
     kl_coef: float, max_grad_norm: float, generator: torch.Generator, kl_estimator: str = "k3",
     dist: Dist | None = None, offset: int = 0, lengths: torch.Tensor | None = None, shared_prefix: bool = False,
+    fuse_accumulation: bool = False,
 ) -> dict[str, float]:
     """Run `ppo_epochs` passes of minibatch updates over one rollout.
 
@@ -71,6 +72,8 @@ def policy_update(
     Returns means over minibatches of loss, pg, kl, clip fractions, entropy; grad_norm mean over steps;
     lr of the last optimizer step; counts of optimizer steps taken and skipped, and of skips since
     the last step taken. shared_prefix: rows with the same batch["group"] run their prompt once.
+    fuse_accumulation: the minibatches of one optimizer step share one forward (bigger matmuls, each
+    prompt once per window; same losses and gradients, grad_accum_steps× the activation memory).
     """
     dist = dist or Dist()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -85,32 +88,48 @@ def policy_update(
     lr = float("nan")  # the learning rate of the last optimizer step taken
     minibatches = optimizer_steps = skipped = trailing = 0  # trailing: skips since the last step taken
     model.train()
+    optimizer.zero_grad(set_to_none=True)
+
+    def forward(rows: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """This rank's rows among global `rows`: (their trimmed batch, logp_new, entropy)."""
+        mb = trim_to_completions({k: v[(rows - offset).to(batch["adv"].device)] for k, v in batch.items()}, prompt_len)
+        if shared_prefix:
+            logp, ent = shared_prefix_logprobs(model, mb["input_ids"], mb["attention_mask"], prompt_len, mb["group"], True)
+        else:
+            logp, ent = sequence_logprobs(model, mb["input_ids"], mb["attention_mask"], prompt_len, with_entropy=True)
+        return mb, logp, ent
+
     for _epoch in range(ppo_epochs):
-        pending = 0  # minibatches accumulated since the last optimizer step
-        bad = False  # a non-finite loss was seen in this accumulation window
         order = torch.randperm(n_global, generator=generator)
         n_mb = -(-n_global // minibatch_size)
-        for i in range(n_mb):
-            rows = order[i * minibatch_size : (i + 1) * minibatch_size]  # global rows of this minibatch
-            own = rows[(rows >= offset) & (rows < offset + n_local)]
-            if len(own):
+        minibatch_rows = [order[i * minibatch_size : (i + 1) * minibatch_size] for i in range(n_mb)]  # global rows
+        for w in range(0, n_mb, grad_accum_steps):  # one optimizer step per window of grad_accum_steps minibatches
+            window = minibatch_rows[w : w + grad_accum_steps]
+            owns = [rows[(rows >= offset) & (rows < offset + n_local)] for rows in window]
+            fused = forward(torch.cat(owns)) if fuse_accumulation and any(len(o) for o in owns) else None
+            bad, start, window_loss = False, 0, 0.0
+            for rows, own in zip(window, owns):
+                if not len(own):
+                    continue
+                if fused is not None:  # this minibatch's slice of the window's one forward
+                    part = slice(start, start + len(own))
+                    start += len(own)
+                    mb = {k: v[part] for k, v in fused[0].items()}
+                    logp_new, entropy = fused[1][part], fused[2][part]
+                else:
+                    mb, logp_new, entropy = forward(own)
                 row_share = len(own) / len(rows)  # 1 in one process
                 token_share = (lengths[own].sum() / lengths[rows].sum().clamp(min=1)).item()
-                local = (own - offset).to(batch["adv"].device)
-                mb = trim_to_completions({k: v[local] for k, v in batch.items()}, prompt_len)
                 mask = mb["completion_mask"]
-                if shared_prefix:
-                    logp_new, entropy = shared_prefix_logprobs(model, mb["input_ids"], mb["attention_mask"], prompt_len,
-                                                               mb["group"], with_entropy=True)
-                else:
-                    logp_new, entropy = sequence_logprobs(model, mb["input_ids"], mb["attention_mask"], prompt_len, with_entropy=True)
                 pg, stats = loss_fn(logp_new, mb["logp_old"], mb["adv"], mask, loss_settings)
                 kl = masked_mean(kl_fn(logp_new, mb["logp_ref"]), mask) if kl_coef > 0 else torch.zeros((), device=pg.device)
                 loss = (pg * (token_share if by_tokens else row_share) + kl_coef * kl * token_share) / grad_accum_steps
-                if torch.isfinite(loss):
-                    loss.backward()
-                else:
+                if not torch.isfinite(loss):
                     bad = True
+                elif fused is not None:
+                    window_loss = window_loss + loss  # one backward through the window's forward, below
+                else:
+                    loss.backward()
                 minibatches += 1
                 sums["loss"] += (pg + kl_coef * kl).item()
                 sums["pg_loss"] += pg.item()
@@ -118,22 +137,21 @@ def policy_update(
                 for key in ("clip_frac", "clip_frac_low", "clip_frac_high"):
                     sums[key] += stats.get(key, 0.0)
                 sums["entropy"] += masked_mean(entropy, mask).item()
-            pending += 1
-            if pending == grad_accum_steps or i == n_mb - 1:
-                bad = all_reduce_grads(params, bad, dist)
-                norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
-                if bad or not math.isfinite(norm):
-                    skipped += 1
-                    trailing += 1
-                else:
-                    trailing = 0
-                    lr = optimizer.param_groups[0]["lr"]
-                    optimizer.step()
-                    scheduler.step()
-                    optimizer_steps += 1
-                    grad_norms.append(norm)
-                optimizer.zero_grad(set_to_none=True)
-                pending, bad = 0, False
+            if fused is not None and not bad and torch.is_tensor(window_loss):
+                window_loss.backward()
+            bad = all_reduce_grads(params, bad, dist)
+            norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
+            if bad or not math.isfinite(norm):
+                skipped += 1
+                trailing += 1
+            else:
+                trailing = 0
+                lr = optimizer.param_groups[0]["lr"]
+                optimizer.step()
+                scheduler.step()
+                optimizer_steps += 1
+                grad_norms.append(norm)
+            optimizer.zero_grad(set_to_none=True)
     out = {k: v / max(minibatches, 1) for k, v in sums.items()}
     out["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
     out["lr"] = lr
