@@ -117,12 +117,17 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def read_config(path: Path) -> dict[str, Any]:
-    """config.yaml as a dict ({} when missing or not a mapping)."""
+    """config.yaml as a dict ({} when missing or not a mapping). Fields added to llmrl after the run was
+    made get their defaults (which reproduce the older behaviour), so they do not show as differences."""
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError):
         return {}
-    return data if isinstance(data, dict) else {}
+    if not isinstance(data, dict):
+        return {}
+    from llmrl.config import TrainConfig
+
+    return {**TrainConfig().to_dict(), **data} if data else {}
 
 
 def is_eval_record(record: dict[str, Any]) -> bool:
