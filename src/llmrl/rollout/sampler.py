@@ -313,7 +313,7 @@ def rollout(
     attention[:, :prompt_len] = prompt_mask.repeat_interleave(group_size, 0)
     mask, ended = completion_mask(sequences, prompt_len, gen_config.eos_token_id)
     group = torch.arange(len(keys), device=device) // group_size if shared_prefix else None
-    chunk = max(chunk, group_size) if shared_prefix else chunk  # a chunk holds whole groups
+    chunk = -(-chunk // group_size) * group_size if shared_prefix else chunk  # a chunk holds whole groups
     if logits is not None:
         logp_old = sampler_logprobs(logits, sequences, prompt_len) * mask
         del logits

@@ -192,6 +192,7 @@ class MathHardTask(SeededSampling):
                  time_limit: float = grading.DEFAULT_TIME_LIMIT, workers: int | None = None):
         self.rng = random.Random(seed)
         self.mode, self.time_limit, self.workers = reward, time_limit, workers
+        self._last: tuple[list, list[grading.Verdict]] = ([], [])  # the last graded batch and its verdicts
         self.train_rows, train_dropped = level5(load_split(data, "train"), reward, time_limit, workers)
         self.test_rows, test_dropped = level5(load_split(data, "test"), reward, time_limit, workers)
         self.data_report = {
@@ -224,7 +225,7 @@ class MathHardTask(SeededSampling):
     def verdicts(self, examples: list[Example], completions: list[str]) -> list[grading.Verdict]:
         """math-verify verdicts; the last batch is remembered (eval asks for rewards and metrics)."""
         items = [(c, ex.answer) for ex, c in zip(examples, completions, strict=True)]
-        if getattr(self, "_last", (None,))[0] != items:
+        if self._last[0] != items:
             self._last = (items, grading.grade_batch(items, time_limit=self.time_limit, workers=self.workers))
         return self._last[1]
 

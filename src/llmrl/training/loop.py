@@ -60,9 +60,10 @@ class TrainResult:
     last_metrics: dict[str, Any]
 
 
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """The sampling seed of one step on one rank: resume and reruns draw the same completions."""
-    return (seed * 1_000_003 + step * 7_919 + rank) % (2**63)
+def step_seed(seed: int, step: int) -> int:
+    """The sampling seed of one step (the same on every rank: each completion's noise is keyed by it,
+    its global prompt index and its place in the group), so resume and reruns draw the same completions."""
+    return (seed * 1_000_003 + step * 7_919) % (2**63)
 
 
 def build_policy(cfg: TrainConfig):
@@ -237,7 +238,7 @@ def sample_and_score(model, tokenizer, task: Task, cfg: TrainConfig, gen_config,
         examples = examples[first:stop]
         out = rollout(
             model, tokenizer, [ex.messages for ex in examples], group_size=g, gen_config=gen_config,
-            max_prompt_tokens=cfg.max_prompt_tokens, seed=step_seed(cfg.seed, step, 0) + 7_777 * rounds,
+            max_prompt_tokens=cfg.max_prompt_tokens, seed=step_seed(cfg.seed, step) + 7_777 * rounds,
             first_prompt=first,
             with_ref=cfg.kl_coef > 0, chunk=cfg.minibatch_size, temperature=cfg.temperature, top_p=cfg.top_p,
             top_k=cfg.top_k, logp_from_sampler=cfg.fast and cfg.logp_from_sampler,
@@ -397,7 +398,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
                 shared_prefix=cfg.fast and cfg.shared_prefix and not cfg.gradient_checkpointing,
                 fuse_accumulation=cfg.fast and (cfg.fuse_accumulation if cfg.fuse_accumulation is not None else device.type == "cpu"),
             )
-            stats = {k: sum(s[k] for s in dist.gather(stats)) / dist.world if k in MEAN_STATS else v for k, v in stats.items()}
+            every_rank = dist.gather(stats)  # one collective for all the statistics
+            stats = {k: sum(s[k] for s in every_rank) / dist.world if k in MEAN_STATS else v for k, v in stats.items()}
             update_s = time.perf_counter() - t0
 
             # 6. log
