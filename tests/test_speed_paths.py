@@ -48,11 +48,14 @@ def test_sampler_logprobs_equal_a_recomputation(policy):
     stop = int(first.input_ids[0, first.prompt_len + 3])  # a second EOS id (pad == eos == 2 stays one)
     fast = sample(model, tok, MESSAGES, extra_eos=[stop], logp_from_sampler=True, merge_lora=False)
     assert fast.ended.any() and not fast.ended.all(), "want both ended and truncated completions"
-    again = batched_logprobs(model.eval(), fast.input_ids, fast.attention_mask, fast.prompt_len, 4) * fast.completion_mask
+    again = batched_logprobs(model.eval(), fast.input_ids, fast.attention_mask, fast.prompt_len, 4)[0] * fast.completion_mask
     assert torch.allclose(fast.logp_old, again, atol=1e-5)
     plain = sample(model, tok, MESSAGES, extra_eos=[stop], logp_from_sampler=False, merge_lora=False)
     assert torch.equal(plain.input_ids, fast.input_ids)
     assert torch.allclose(plain.logp_old, fast.logp_old, atol=1e-5)
+    # entropies of the sampling policy (temperature 1): from the sampler's logits = from a recomputation
+    assert torch.allclose(plain.entropy, fast.entropy, atol=1e-5)
+    assert (fast.entropy[fast.completion_mask > 0] > 0).all() and (fast.entropy[fast.completion_mask == 0] == 0).all()
 
 
 def test_merged_lora_samples_the_same_and_restores_the_weights(policy):
@@ -177,5 +180,72 @@ def test_fused_accumulation_window_equals_separate_minibatches(policy, aggregate
     assert s0["optimizer_steps"] == s1["optimizer_steps"] == 4  # 5 minibatches: windows of 3 + 2, two epochs
     assert max((w0[k] - w1[k]).abs().max().item() for k in w0) <= 1e-5
     assert max((w0[k] - start[k]).abs().max().item() for k in w0) > 1e-3  # the update did move the weights
-    for key in ("loss", "kl", "entropy", "grad_norm"):
+    for key in ("loss", "kl", "grad_norm"):
         assert s1[key] == pytest.approx(s0[key], abs=1e-5)
+
+
+@pytest.mark.parametrize("top_p,top_k", [(0.95, 0), (0.9, 20), (1.0, 0)])
+def test_keyed_sampler_candidates_choose_as_the_whole_vocabulary(top_p, top_k):
+    """Sorting and drawing noise only for the top `candidates` tokens picks the same token as the
+    full vocabulary, for peaked rows (nucleus inside the candidates) and flat ones (fallback)."""
+    g = torch.Generator().manual_seed(0)
+    scale = torch.tensor([8.0] * 6 + [0.5] * 2)[:, None]  # 6 peaked rows, 2 flat ones
+    fast_hits, fallbacks = 0, 0
+    for position in range(12):
+        logits = torch.randn(8, 5000, generator=g) * scale
+        ids = torch.zeros(8, position, dtype=torch.long)
+        fast = KeyedSampler(list(range(8)), 0, 0.8, top_p, top_k, candidates=64)
+        full = KeyedSampler(list(range(8)), 0, 0.8, top_p, top_k, candidates=5000)
+        peaked = KeyedSampler(list(range(6)), 0, 0.8, top_p, top_k, candidates=64)
+        a, b = fast(ids, logits.clone()).argmax(-1), full(ids, logits.clone()).argmax(-1)
+        assert torch.equal(a, b)
+        assert torch.equal(peaked(ids, logits[:6].clone()).argmax(-1), a[:6])  # a row's choice ignores its batch
+        fallbacks += fast.full_vocab_draws
+        fast_hits += 1 - peaked.full_vocab_draws
+    if top_p < 1.0 and top_k == 0:
+        assert fallbacks == 12 and fast_hits == 12  # flat rows need the whole vocabulary, peaked ones do not
+
+
+def test_hash_dropout_has_dropout_statistics_and_reproduces_with_the_seed():
+    from llmrl.training.cpu_speed import HashDropout
+
+    d = HashDropout(0.05).train()
+    x = torch.ones(1000, 1000, requires_grad=True)
+    torch.manual_seed(3)
+    y = d(x)
+    dropped = (y == 0).float().mean().item()
+    assert abs(dropped - 0.05) < 4 * math.sqrt(0.05 * 0.95 / 1e6)
+    assert torch.allclose(y[y != 0], torch.full_like(y[y != 0], 1 / 0.95))
+    y.sum().backward()  # gradient: the mask, scaled
+    assert torch.equal(x.grad, y.detach())
+    torch.manual_seed(3)
+    assert torch.equal(d(x), y)  # same seed, same mask
+    other = d(x)
+    agree = ((other == 0) == (y == 0)).float().mean().item()  # independent masks: (1-p)^2 + p^2
+    assert abs(agree - (0.95**2 + 0.05**2)) < 0.002
+    rows = (y == 0).float().mean(1)  # no structure along rows or columns
+    assert rows.std().item() < 3 * math.sqrt(0.05 * 0.95 / 1000)
+    assert torch.equal(d.eval()(x), x) and torch.equal(HashDropout(0.0).train()(x), x)
+    assert HashDropout(0.5).threshold == 0 and HashDropout(0.25).threshold == -(2**30)
+
+
+def test_hash_dropout_replaces_peft_lora_dropout(tiny_model_dir):
+    from llmrl.training.cpu_speed import HashDropout, use_hash_dropout
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model = add_lora(base, 4, 8, 0.1, ["q_proj", "v_proj", "up_proj"], False)
+    n_layers = base.config.num_hidden_layers
+    assert use_hash_dropout(model) == 3 * n_layers
+    drops = [m for m in model.modules() if isinstance(m, HashDropout)]
+    assert len(drops) == 3 * n_layers and all(m.p == 0.1 for m in drops)
+    model.train()
+    ids = torch.tensor([[1, 5, 9, 4, 7]])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    torch.manual_seed(0)
+    a = model(input_ids=ids).logits
+    torch.manual_seed(0)
+    assert torch.equal(model(input_ids=ids).logits, a)
+    assert not torch.equal(model(input_ids=ids).logits, a)  # a fresh mask each call

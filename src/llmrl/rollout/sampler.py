@@ -34,6 +34,7 @@ class Rollout:
     prompt_len: int  # width of the left-padded prompt block
     texts: list[str]  # decoded completions (without EOS)
     prompts_truncated: int  # prompts cut to max_prompt_tokens
+    entropy: torch.Tensor | None = None  # [N, L-1] sampling-policy token entropies at temperature 1 (0 outside)
 
     @property
     def completion_lens(self) -> torch.Tensor:
@@ -107,17 +108,17 @@ def shared_prefix_logprobs(
 
 @torch.no_grad()
 def batched_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, chunk: int,
-                     group: torch.Tensor | None = None) -> torch.Tensor:
-    """`sequence_logprobs` without grad, `chunk` rows at a time: [N, L] → [N, L-1]. With `group` [N],
-    rows sharing a prompt run it once (`shared_prefix_logprobs`)."""
+                     group: torch.Tensor | None = None, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`sequence_logprobs` without grad, `chunk` rows at a time: [N, L] → ([N, L-1], entropies [N, L-1]
+    or None). With `group` [N], rows sharing a prompt run it once (`shared_prefix_logprobs`)."""
     parts = []
     for i in range(0, input_ids.shape[0], chunk):
         rows = slice(i, i + chunk)
         if group is None:
-            parts.append(sequence_logprobs(model, input_ids[rows], attention_mask[rows], prompt_len)[0])
+            parts.append(sequence_logprobs(model, input_ids[rows], attention_mask[rows], prompt_len, with_entropy))
         else:
-            parts.append(shared_prefix_logprobs(model, input_ids[rows], attention_mask[rows], prompt_len, group[rows])[0])
-    return torch.cat(parts)
+            parts.append(shared_prefix_logprobs(model, input_ids[rows], attention_mask[rows], prompt_len, group[rows], with_entropy))
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]) if with_entropy else None
 
 
 @contextlib.contextmanager
@@ -170,37 +171,78 @@ def mix(*parts: int) -> int:
     return h >> 1
 
 
+def _signed(c: int) -> int:
+    """A 64-bit constant as the int64 value with the same bits."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _shift_right(h: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
+    return (h >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def keyed_uniform(row_seeds: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Uniform (0, 1) noise, float64, for token ids tokens [N, K] of rows with 63-bit seeds [N]:
+    a splitmix64 hash of (row seed, token id), so the noise of a token does not depend on which
+    other tokens are drawn, or in which order."""
+    h = row_seeds[:, None] ^ (tokens * _signed(0x9E3779B97F4A7C15))
+    h = (h ^ _shift_right(h, 30)) * _signed(0xBF58476D1CE4E5B9)
+    h = (h ^ _shift_right(h, 27)) * _signed(0x94D049BB133111EB)
+    h = h ^ _shift_right(h, 31)
+    return (_shift_right(h, 11).double() + 0.5) / float(1 << 53)
+
+
 class KeyedSampler(LogitsProcessor):
-    """Sampling as a logits processor, with noise keyed by (row key, position) instead of a shared RNG.
+    """Sampling as a logits processor, with noise keyed by (row key, position, token) instead of a shared RNG.
 
     temperature → top-k → top-p, then the Gumbel-max trick: argmax(log p + Gumbel) is a sample from p.
     The scores it returns keep only the sampled token, so greedy `generate` picks it. Because each
     row's noise depends only on its key, a completion does not depend on which other rows share the
     batch: the same tokens come out with or without prefix sharing, dynamic-sampling rounds, or
     data-parallel ranks. row_keys [N] ints; prompt_width: columns of input_ids before generation.
+    Only the `candidates` most likely tokens are sorted and drawn noise for, when they hold the whole
+    nucleus (top_p) of every row; otherwise the whole vocabulary is (same choice either way: the
+    noise of a token is a hash of its id).
     """
 
-    def __init__(self, row_keys: list[int], prompt_width: int, temperature: float, top_p: float, top_k: int):
+    def __init__(self, row_keys: list[int], prompt_width: int, temperature: float, top_p: float, top_k: int,
+                 candidates: int = 256):
         self.row_keys, self.prompt_width = row_keys, prompt_width
-        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.temperature, self.top_p, self.top_k, self.candidates = temperature, top_p, top_k, candidates
+        self.full_vocab_draws = 0  # steps where the nucleus did not fit in `candidates` tokens
+
+    def choose(self, logits: torch.Tensor, seeds: torch.Tensor, k: int) -> torch.Tensor | None:
+        """The sampled token ids [N] among the top k of logits [N, V] (already divided by the
+        temperature), or None when some row's nucleus extends past its top k."""
+        vocab = logits.shape[-1]
+        if k >= vocab and self.top_p >= 1.0:  # plain sampling: every token, no order needed
+            values, ids = logits, torch.arange(vocab, device=logits.device).expand_as(logits)
+        else:
+            values, ids = torch.topk(logits, k, dim=-1)  # [N, k] sorted, most likely first
+        if self.top_p < 1.0:
+            # probabilities within the top-k-filtered distribution (the whole vocabulary when top_k is 0)
+            norm = torch.logsumexp(values if self.top_k > 0 else logits, dim=-1, keepdim=True)
+            probs = (values - norm).exp()
+            before = probs.cumsum(-1) - probs  # mass of the more likely tokens
+            if k < min(self.top_k or vocab, vocab) and bool((before[:, -1] + probs[:, -1] < self.top_p).any()):
+                return None
+            values = values.masked_fill(before >= self.top_p, float("-inf"))  # after the nucleus is full
+        elif k < min(self.top_k or vocab, vocab):
+            return None
+        gumbel = -torch.log(-torch.log(keyed_uniform(seeds, ids))).to(values.dtype)
+        return ids.gather(1, (values + gumbel).argmax(-1, keepdim=True)).squeeze(1)  # [N]
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         logits = scores.float() / self.temperature  # [N, V]
-        if self.top_k > 0:
-            kth = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if self.top_p < 1.0:
-            sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-            cumulative = sorted_logits.softmax(-1).cumsum(-1)
-            drop = cumulative - sorted_logits.softmax(-1) >= self.top_p  # tokens after the nucleus is full
-            logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+        vocab = logits.shape[-1]
         t = input_ids.shape[1] - self.prompt_width
-        noise = torch.stack([
-            torch.rand(logits.shape[-1], generator=torch.Generator().manual_seed(mix(key, t)))
-            for key in self.row_keys
-        ]).to(logits.device)  # [N, V] uniform, keyed by (row, position)
-        gumbel = -torch.log(-torch.log(noise.clamp(1e-20, 1.0 - 1e-7)))
-        choice = torch.argmax(torch.log_softmax(logits, -1) + gumbel, dim=-1)  # [N]
+        seeds = torch.tensor([mix(key, t) for key in self.row_keys], dtype=torch.long, device=logits.device)
+        limit = min(self.top_k, vocab) if self.top_k > 0 else vocab
+        first = limit if self.top_k > 0 or self.top_p >= 1.0 else min(self.candidates, vocab)
+        choice = self.choose(logits, seeds, first)
+        if choice is None:
+            self.full_vocab_draws += 1
+            choice = self.choose(logits, seeds, limit)
         out = torch.full_like(scores, float("-inf"))
         return out.scatter(1, choice[:, None], 0.0)
 
@@ -254,15 +296,17 @@ def generate(
     return out.sequences, logits
 
 
-def sampler_logprobs(logits: torch.Tensor, sequences: torch.Tensor, prompt_len: int) -> torch.Tensor:
-    """log π(token) at temperature 1 from the sampler's raw logits, laid out like `sequence_logprobs`:
-    logits [N, T, V], sequences [N, P+T] → [N, P+T-1] (0 over the prompt)."""
+def sampler_logprobs(logits: torch.Tensor, sequences: torch.Tensor, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """log π(token) and the token entropies at temperature 1 from the sampler's raw logits, laid out
+    like `sequence_logprobs`: logits [N, T, V], sequences [N, P+T] → two [N, P+T-1] (0 over the prompt)."""
     n, length = sequences.shape
-    out = torch.zeros(n, length - 1, device=sequences.device)
+    logp_out = torch.zeros(n, length - 1, device=sequences.device)
+    entropy_out = torch.zeros(n, length - 1, device=sequences.device)
     tokens = sequences[:, prompt_len:]  # [N, T]
-    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[..., None]).squeeze(-1)  # [N, T]
-    out[:, prompt_len - 1 :] = logp
-    return out
+    all_logp = torch.log_softmax(logits.float(), dim=-1)  # [N, T, V]
+    logp_out[:, prompt_len - 1 :] = all_logp.gather(-1, tokens[..., None]).squeeze(-1)
+    entropy_out[:, prompt_len - 1 :] = -(all_logp.exp() * all_logp).sum(-1)
+    return logp_out, entropy_out
 
 
 def generation_config(
@@ -315,20 +359,21 @@ def rollout(
     group = torch.arange(len(keys), device=device) // group_size if shared_prefix else None
     chunk = -(-chunk // group_size) * group_size if shared_prefix else chunk  # a chunk holds whole groups
     if logits is not None:
-        logp_old = sampler_logprobs(logits, sequences, prompt_len) * mask
+        logp_old, entropy = sampler_logprobs(logits, sequences, prompt_len)
         del logits
     else:
-        logp_old = batched_logprobs(model, sequences, attention, prompt_len, chunk, group) * mask
+        logp_old, entropy = batched_logprobs(model, sequences, attention, prompt_len, chunk, group, with_entropy=True)
+    logp_old, entropy = logp_old * mask, entropy * mask
     logp_ref = None
     if with_ref:
         with model.disable_adapter():
-            logp_ref = batched_logprobs(model, sequences, attention, prompt_len, chunk, group) * mask
+            logp_ref = batched_logprobs(model, sequences, attention, prompt_len, chunk, group)[0] * mask
     model.train(was_training)
     lengths = mask.sum(1)
     texts = decode_completions(tokenizer, sequences[:, prompt_len:], lengths, ended)
     return Rollout(
         input_ids=sequences, attention_mask=attention, completion_mask=mask, logp_old=logp_old, logp_ref=logp_ref,
-        ended=ended, prompt_len=prompt_len, texts=texts, prompts_truncated=truncated,
+        ended=ended, prompt_len=prompt_len, texts=texts, prompts_truncated=truncated, entropy=entropy,
     )
 
 
@@ -339,6 +384,7 @@ def select_rows(r: Rollout, rows: list[int]) -> Rollout:
         input_ids=r.input_ids[idx], attention_mask=r.attention_mask[idx], completion_mask=r.completion_mask[idx],
         logp_old=r.logp_old[idx], logp_ref=None if r.logp_ref is None else r.logp_ref[idx], ended=r.ended[idx],
         prompt_len=r.prompt_len, texts=[r.texts[i] for i in rows], prompts_truncated=r.prompts_truncated,
+        entropy=None if r.entropy is None else r.entropy[idx],
     )
 
 
@@ -364,4 +410,5 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
         logp_ref=None if parts[0].logp_ref is None else torch.cat([widen(r.logp_ref, *pads(r), 0) for r in parts]),
         ended=torch.cat([r.ended for r in parts]), prompt_len=p, texts=[x for r in parts for x in r.texts],
         prompts_truncated=sum(r.prompts_truncated for r in parts),
+        entropy=None if parts[0].entropy is None else torch.cat([widen(r.entropy, *pads(r), 0) for r in parts]),
     )

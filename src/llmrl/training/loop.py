@@ -34,7 +34,7 @@ import torch
 from tqdm.auto import tqdm
 
 from llmrl.algorithms.core import (
-    ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, normalize_advantages, overlong_penalty, zero_spread_fraction,
+    ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, masked_mean, normalize_advantages, overlong_penalty, zero_spread_fraction,
 )
 from llmrl.algorithms.losses import LOSSES
 from llmrl.checkpoint import CHECKPOINTS, latest_checkpoint, load_checkpoint, remove_stale_temporaries, save_checkpoint
@@ -43,6 +43,7 @@ from llmrl.errors import ConfigError, RunStopped
 from llmrl.logger import EVAL_SAMPLES, METRICS, SAMPLES, RunLogger
 from llmrl.models.loading import add_lora, load_base_model, pick_device, pick_dtype
 from llmrl.rollout.sampler import concat_rollouts, eos_ids, generation_config, mix, prompt_length, rollout, select_rows
+from llmrl.training.cpu_speed import keep_heap_memory, use_hash_dropout
 from llmrl.training.distributed import Dist, init_distributed
 from llmrl.tasks import Example, Reward, Task, task_from_config
 from llmrl.training.evaluate import evaluate
@@ -72,6 +73,8 @@ def build_policy(cfg: TrainConfig):
     base, tokenizer = load_base_model(cfg.model, device, pick_dtype(cfg.dtype, device))
     torch.manual_seed(cfg.seed)
     model = add_lora(base, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules, cfg.gradient_checkpointing)
+    if cfg.fast and cfg.hash_dropout and device.type == "cpu":
+        use_hash_dropout(model)  # same distribution, a vectorised mask
     return model, tokenizer, device
 
 
@@ -282,6 +285,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
     rank, is_main = dist.rank, dist.is_main
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
+    if cfg.fast and cfg.keep_heap_memory and pick_device(cfg.device).type == "cpu":
+        keep_heap_memory()
     run_dir = Path(cfg.output_dir)
     checkpoint = find_resume_checkpoint(cfg, run_dir) if resume else None
     if is_main:
@@ -398,6 +403,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
                 shared_prefix=cfg.fast and cfg.shared_prefix and not cfg.gradient_checkpointing,
                 fuse_accumulation=cfg.fast and (cfg.fuse_accumulation if cfg.fuse_accumulation is not None else device.type == "cpu"),
             )
+            stats["entropy"] = masked_mean(out.entropy, out.completion_mask).item()  # of the sampling policy, T = 1
             every_rank = dist.gather(stats)  # one collective for all the statistics
             stats = {k: sum(s[k] for s in every_rank) / dist.world if k in MEAN_STATS else v for k, v in stats.items()}
             update_s = time.perf_counter() - t0

@@ -69,7 +69,7 @@ def policy_update(
     (kl_coef 0: no KL term, and the batch needs no logp_ref); an optimizer step every `grad_accum_steps`
     minibatches and one more for a remainder at the end of each pass. A non-finite loss or gradient
     norm skips that optimizer step (counted in `skipped_updates`).
-    Returns means over minibatches of loss, pg, kl, clip fractions, entropy; grad_norm mean over steps;
+    Returns means over minibatches of loss, pg, kl, clip fractions; grad_norm mean over steps;
     lr of the last optimizer step; counts of optimizer steps taken and skipped, and of skips since
     the last step taken. shared_prefix: rows with the same batch["group"] run their prompt once.
     fuse_accumulation: the minibatches of one optimizer step share one forward (bigger matmuls, each
@@ -78,7 +78,7 @@ def policy_update(
     dist = dist or Dist()
     params = [p for p in model.parameters() if p.requires_grad]
     sums: dict[str, float] = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "clip_frac_low": 0.0,
-                              "clip_frac_high": 0.0, "entropy": 0.0}
+                              "clip_frac_high": 0.0}
     kl_fn = KL_ESTIMATORS[kl_estimator]
     n_local = batch["adv"].shape[0]
     lengths = batch["completion_mask"].sum(1) if lengths is None else lengths  # [N] tokens per global row
@@ -90,14 +90,14 @@ def policy_update(
     model.train()
     optimizer.zero_grad(set_to_none=True)
 
-    def forward(rows: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-        """This rank's rows among global `rows`: (their trimmed batch, logp_new, entropy)."""
+    def forward(rows: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """This rank's rows among global `rows`: (their trimmed batch, logp_new)."""
         mb = trim_to_completions({k: v[(rows - offset).to(batch["adv"].device)] for k, v in batch.items()}, prompt_len)
         if shared_prefix:
-            logp, ent = shared_prefix_logprobs(model, mb["input_ids"], mb["attention_mask"], prompt_len, mb["group"], True)
+            logp = shared_prefix_logprobs(model, mb["input_ids"], mb["attention_mask"], prompt_len, mb["group"])[0]
         else:
-            logp, ent = sequence_logprobs(model, mb["input_ids"], mb["attention_mask"], prompt_len, with_entropy=True)
-        return mb, logp, ent
+            logp = sequence_logprobs(model, mb["input_ids"], mb["attention_mask"], prompt_len)[0]
+        return mb, logp
 
     for _epoch in range(ppo_epochs):
         order = torch.randperm(n_global, generator=generator)
@@ -115,9 +115,9 @@ def policy_update(
                     part = slice(start, start + len(own))
                     start += len(own)
                     mb = {k: v[part] for k, v in fused[0].items()}
-                    logp_new, entropy = fused[1][part], fused[2][part]
+                    logp_new = fused[1][part]
                 else:
-                    mb, logp_new, entropy = forward(own)
+                    mb, logp_new = forward(own)
                 row_share = len(own) / len(rows)  # 1 in one process
                 token_share = (lengths[own].sum() / lengths[rows].sum().clamp(min=1)).item()
                 mask = mb["completion_mask"]
@@ -136,7 +136,6 @@ def policy_update(
                 sums["kl"] += kl.item()
                 for key in ("clip_frac", "clip_frac_low", "clip_frac_high"):
                     sums[key] += stats.get(key, 0.0)
-                sums["entropy"] += masked_mean(entropy, mask).item()
             if fused is not None and not bad and torch.is_tensor(window_loss):
                 window_loss.backward()
             bad = all_reduce_grads(params, bad, dist)
