@@ -78,6 +78,9 @@ def test_parser_defaults():
     a = parse([])
     assert (a.steps, a.no_trl, a.sweep, a.model, a.config, a.alternate, a.work_dir, a.json, a.num_threads) == (
         3, False, False, None, None, 1, None, None, None)
+    assert a.trl_checkpointing is True and parse(["--trl_checkpointing", "false"]).trl_checkpointing is False
+    with pytest.raises(SystemExit):
+        parse(["--trl_checkpointing", "maybe"])
 
 
 def test_trl_missing_is_one_clear_line(monkeypatch, capsys):
@@ -106,6 +109,7 @@ def test_bench_no_trl_end_to_end(tiny_model_dir, one_thread_config, tmp_path, ca
     assert "llmrl bench:" in printed and "speedup_vs_trl n/a" in printed
     r = json.loads(out.read_text())
     assert r["speedup_vs_trl"] is None and r["trl"] is None and r["sweep"] is None
+    assert r["speedup_vs_trl_checkpointing"] is None and r["trl_checkpointing"] is None
     assert r["num_threads"] == 1
     for value in (r["flop_limit_ratio"], r["flop_limit_s"], r["matmul_gflops"], r["n_params"]):
         assert math.isfinite(value) and value > 0
@@ -146,3 +150,6 @@ def test_trl_side_one_step(tiny_model_dir, one_thread_config, tmp_path):
     assert step["step_s"] > step["rollout_s"] > step["generate_s"] > 0
     assert step["update_s"] > 0 and step["completion_tokens"] > 0
     assert len(step["prompt_tokens"]) == CPU_BENCH["batch_size"]
+    assert r["gradient_checkpointing"] is False  # like llmrl's cpu-bench
+    r = bench.run_side("trl_checkpointing", child_values(values, 1), tmp_path / "trl_ckpt", quiet=True)
+    assert r["gradient_checkpointing"] is True and len(r["steps"]) == 1  # TRL's own default

@@ -188,6 +188,7 @@ def run_trl(cfg: dict[str, Any], output_dir: str) -> dict[str, Any]:
     return {
         "side": "trl", "steps": steps, "n_params": n_params, "global_steps": trainer.state.global_step,
         "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "gradient_checkpointing": bool(getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing),
     }
 
 

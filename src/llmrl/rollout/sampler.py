@@ -200,16 +200,16 @@ class KeyedSampler(LogitsProcessor):
     row's noise depends only on its key, a completion does not depend on which other rows share the
     batch: the same tokens come out with or without prefix sharing, dynamic-sampling rounds, or
     data-parallel ranks. row_keys [N] ints; prompt_width: columns of input_ids before generation.
-    Only the `candidates` most likely tokens are sorted and drawn noise for, when they hold the whole
-    nucleus (top_p) of every row; otherwise the whole vocabulary is (same choice either way: the
-    noise of a token is a hash of its id).
+    Only the `candidates` (else 16·`candidates`) most likely tokens are sorted and drawn noise for,
+    when they hold the whole nucleus (top_p) of every row; otherwise the whole vocabulary is (same
+    choice either way: the noise of a token is a hash of its id).
     """
 
     def __init__(self, row_keys: list[int], prompt_width: int, temperature: float, top_p: float, top_k: int,
                  candidates: int = 256):
         self.row_keys, self.prompt_width = row_keys, prompt_width
         self.temperature, self.top_p, self.top_k, self.candidates = temperature, top_p, top_k, candidates
-        self.full_vocab_draws = 0  # steps where the nucleus did not fit in `candidates` tokens
+        self.full_vocab_draws = 0  # steps that drew over the whole vocabulary
 
     def choose(self, logits: torch.Tensor, seeds: torch.Tensor, k: int) -> torch.Tensor | None:
         """The sampled token ids [N] among the top k of logits [N, V] (already divided by the
@@ -238,10 +238,13 @@ class KeyedSampler(LogitsProcessor):
         t = input_ids.shape[1] - self.prompt_width
         seeds = torch.tensor([mix(key, t) for key in self.row_keys], dtype=torch.long, device=logits.device)
         limit = min(self.top_k, vocab) if self.top_k > 0 else vocab
-        first = limit if self.top_k > 0 or self.top_p >= 1.0 else min(self.candidates, vocab)
-        choice = self.choose(logits, seeds, first)
+        choice = None
+        if self.top_k <= 0 and self.top_p < 1.0:  # a nucleus: try the likeliest tokens first
+            for k in (self.candidates, 16 * self.candidates):
+                if k < vocab and choice is None:
+                    choice = self.choose(logits, seeds, k)
         if choice is None:
-            self.full_vocab_draws += 1
+            self.full_vocab_draws += limit == vocab
             choice = self.choose(logits, seeds, limit)
         out = torch.full_like(scores, float("-inf"))
         return out.scatter(1, choice[:, None], 0.0)
@@ -249,19 +252,30 @@ class KeyedSampler(LogitsProcessor):
 
 @contextlib.contextmanager
 def merged_lora(model, enabled: bool = True) -> Iterator[None]:
-    """Sample with LoRA merged into the base weights (one matmul per layer instead of three), then put
-    the exact original base weights back (a merge/unmerge round trip would drift by rounding)."""
-    layers = [m for m in model.modules() if hasattr(m, "merge") and hasattr(m, "base_layer")] if enabled else []
-    saved = [m.base_layer.weight.detach().clone() for m in layers]
+    """Sample with LoRA merged into the base weights (one matmul per layer instead of three): each
+    adapted layer gets a merged copy W + ΔW as its weight while inside, and its own base weight
+    tensor back (untouched, bit for bit) after. Plain LoRA layers only: other layers (or other PEFT
+    versions' layers) stay unmerged."""
+    layers = []
+    if enabled:
+        for m in model.modules():
+            if (hasattr(m, "get_delta_weight") and hasattr(m, "base_layer") and not getattr(m, "merged", True)
+                    and not getattr(m, "lora_variant", {}) and not any(getattr(m, "lora_bias", {}).values())):
+                layers.append(m)
+    swapped = []  # (layer, its base weight tensor)
     try:
-        for m in layers:
-            m.merge()
+        with torch.no_grad():
+            for m in layers:
+                weight = m.get_base_layer().weight
+                merged = weight.data + sum(m.get_delta_weight(a).to(weight.dtype) for a in m.active_adapters if a in m.lora_A)
+                swapped.append((m, weight.data))
+                weight.data = merged
+                m.merged_adapters = [a for a in m.active_adapters if a in m.lora_A]  # PEFT skips the LoRA branch
         yield
     finally:
-        for m, w in zip(layers, saved):
-            if m.merged:
-                m.merged_adapters = []
-            m.base_layer.weight.data.copy_(w)
+        for m, original in swapped:
+            m.get_base_layer().weight.data = original
+            m.merged_adapters = []
 
 
 @torch.no_grad()
