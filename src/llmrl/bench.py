@@ -374,11 +374,11 @@ def format_report(r: dict[str, Any]) -> str:
     rounds = f", {r['alternate']} alternating rounds" if r["alternate"] > 1 else ""
     lines = [f"llmrl bench: {r['config']}, {r['steps']} measured steps per side after {r['warmup_steps']} warm-up"
              f"{(' ' + per) if per else ''}{rounds}, {r['num_threads']} threads, matmul {r['matmul_gflops']:.1f} GFLOP/s",
-             f"{'side':<6} {'s/step':>8} {'rollout':>8} {'update':>8} {'tok/s':>8} {'peak MB':>8}"]
+             f"{'side':<17} {'s/step':>8} {'rollout':>8} {'update':>8} {'tok/s':>8} {'peak MB':>8}"]
     for side in ("llmrl", "trl", "trl_checkpointing"):
         s = r.get(side)
         if s:
-            lines.append(f"{side:<6} {s['step_s']:8.2f} {s['rollout_s']:8.2f} {s['update_s']:8.2f} "
+            lines.append(f"{side:<17} {s['step_s']:8.2f} {s['rollout_s']:8.2f} {s['update_s']:8.2f} "
                          f"{s['tokens_per_s']:8.1f} {s['peak_mb']:8.0f}")
     speed = f"{r['speedup_vs_trl']:.1f}x" if r["speedup_vs_trl"] is not None else "n/a (--no_trl)"
     if r.get("speedup_vs_trl_checkpointing") is not None:
