@@ -33,7 +33,11 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tenso
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of the next-token distribution at each position: logits [N, T, V] → [N, T] (float32)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)  # [N, T, V]
+    return entropy_of_logprobs(torch.log_softmax(logits.float(), dim=-1))
+
+
+def entropy_of_logprobs(logp: torch.Tensor) -> torch.Tensor:
+    """Entropy of distributions given as log-probabilities: [..., V] → [...]."""
     return -(logp.exp() * logp).sum(-1)
 
 

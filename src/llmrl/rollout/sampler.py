@@ -18,7 +18,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import DynamicCache
 
-from llmrl.algorithms.core import completion_mask, token_entropy, token_logprobs
+from llmrl.algorithms.core import completion_mask, entropy_of_logprobs, token_entropy, token_logprobs
 
 
 @dataclass
@@ -211,9 +211,10 @@ class KeyedSampler(LogitsProcessor):
         self.temperature, self.top_p, self.top_k, self.candidates = temperature, top_p, top_k, candidates
         self.full_vocab_draws = 0  # steps that drew over the whole vocabulary
 
-    def choose(self, logits: torch.Tensor, seeds: torch.Tensor, k: int) -> torch.Tensor | None:
+    def choose(self, logits: torch.Tensor, seeds: torch.Tensor, k: int, partial: bool = False) -> torch.Tensor | None:
         """The sampled token ids [N] among the top k of logits [N, V] (already divided by the
-        temperature), or None when some row's nucleus extends past its top k."""
+        temperature). partial: the top k are only candidates for the nucleus (top_k is 0), and None
+        comes back when some row's nucleus extends past them."""
         vocab = logits.shape[-1]
         if k >= vocab and self.top_p >= 1.0:  # plain sampling: every token, no order needed
             values, ids = logits, torch.arange(vocab, device=logits.device).expand_as(logits)
@@ -224,11 +225,9 @@ class KeyedSampler(LogitsProcessor):
             norm = torch.logsumexp(values if self.top_k > 0 else logits, dim=-1, keepdim=True)
             probs = (values - norm).exp()
             before = probs.cumsum(-1) - probs  # mass of the more likely tokens
-            if k < min(self.top_k or vocab, vocab) and bool((before[:, -1] + probs[:, -1] < self.top_p).any()):
+            if partial and bool((before[:, -1] + probs[:, -1] < self.top_p).any()):
                 return None
             values = values.masked_fill(before >= self.top_p, float("-inf"))  # after the nucleus is full
-        elif k < min(self.top_k or vocab, vocab):
-            return None
         gumbel = -torch.log(-torch.log(keyed_uniform(seeds, ids))).to(values.dtype)
         return ids.gather(1, (values + gumbel).argmax(-1, keepdim=True)).squeeze(1)  # [N]
 
@@ -242,7 +241,7 @@ class KeyedSampler(LogitsProcessor):
         if self.top_k <= 0 and self.top_p < 1.0:  # a nucleus: try the likeliest tokens first
             for k in (self.candidates, 16 * self.candidates):
                 if k < vocab and choice is None:
-                    choice = self.choose(logits, seeds, k)
+                    choice = self.choose(logits, seeds, k, partial=True)
         if choice is None:
             self.full_vocab_draws += limit == vocab
             choice = self.choose(logits, seeds, limit)
@@ -319,7 +318,7 @@ def sampler_logprobs(logits: torch.Tensor, sequences: torch.Tensor, prompt_len: 
     tokens = sequences[:, prompt_len:]  # [N, T]
     all_logp = torch.log_softmax(logits.float(), dim=-1)  # [N, T, V]
     logp_out[:, prompt_len - 1 :] = all_logp.gather(-1, tokens[..., None]).squeeze(-1)
-    entropy_out[:, prompt_len - 1 :] = -(all_logp.exp() * all_logp).sum(-1)
+    entropy_out[:, prompt_len - 1 :] = entropy_of_logprobs(all_logp)
     return logp_out, entropy_out
 
 
