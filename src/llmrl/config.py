@@ -93,6 +93,7 @@ class TrainConfig:
     merge_lora_sampling: bool = doc(True, "merge LoRA into the base weights while sampling (exact weights restored after)")
     fuse_accumulation: bool | None = doc(None, "one forward for all minibatches of an optimizer step (grad_accum_steps× activation memory; default: on for CPU, off on CUDA)")
     hash_dropout: bool = doc(True, "CPU: LoRA dropout masks from a vectorised keyed hash (same distribution; PyTorch's CPU dropout draws each element serially)")
+    onednn_linear: bool = doc(True, "CPU: frozen fp32 linears (base weights, LM head) run through oneDNN with pre-packed weights (~2x the rate of torch's default MKL sgemm here; holds packed copies of the frozen weights)")
     keep_heap_memory: bool = doc(True, "CPU: glibc malloc keeps freed memory for reuse (no page faults for each step's activations; the process holds its peak memory)")
     shared_prefix: bool = doc(True, "run each prompt once for its group in the reference and training forwards (not with gradient_checkpointing)")
     # evaluation, logging, checkpoints
@@ -147,7 +148,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 RESUME_MAY_CHANGE = {
     "steps", "output_dir", "eval_interval", "eval_n", "eval_batch_size", "eval_max_new_tokens", "save_interval",
     "keep_checkpoints", "sample_log_interval", "max_bad_steps", "strict_rewards", "wandb", "wandb_project", "tensorboard", "report",
-    "run_name", "num_threads", "device", "grade_time_limit", "grade_workers", "fast", "dist_timeout", "logp_from_sampler", "shared_prefix", "fuse_accumulation",
+    "run_name", "num_threads", "device", "grade_time_limit", "grade_workers", "fast", "dist_timeout", "logp_from_sampler", "shared_prefix", "fuse_accumulation", "onednn_linear",
     "merge_lora_sampling", "keep_heap_memory",
 }
 

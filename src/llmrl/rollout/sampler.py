@@ -19,6 +19,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import DynamicCache
 
 from llmrl.algorithms.core import completion_mask, entropy_of_logprobs, token_entropy, token_logprobs
+from llmrl.models.packed_linear import release_temporary_packs
 
 
 @dataclass
@@ -275,6 +276,8 @@ def merged_lora(model, enabled: bool = True) -> Iterator[None]:
         for m, original in swapped:
             m.get_base_layer().weight.data = original
             m.merged_adapters = []
+        if swapped:
+            release_temporary_packs(model)  # packs made of the merged copies, if any
 
 
 @torch.no_grad()

@@ -42,6 +42,7 @@ from llmrl.config import TrainConfig, resume_differences, save_config
 from llmrl.errors import ConfigError, RunStopped
 from llmrl.logger import EVAL_SAMPLES, METRICS, SAMPLES, RunLogger
 from llmrl.models.loading import add_lora, load_base_model, pick_device, pick_dtype
+from llmrl.models.packed_linear import install_packed_linears
 from llmrl.rollout.sampler import concat_rollouts, eos_ids, generation_config, mix, prompt_length, rollout, select_rows
 from llmrl.training.cpu_speed import keep_heap_memory, use_hash_dropout
 from llmrl.training.distributed import Dist, init_distributed
@@ -75,6 +76,8 @@ def build_policy(cfg: TrainConfig):
     model = add_lora(base, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules, cfg.gradient_checkpointing)
     if cfg.fast and cfg.hash_dropout and device.type == "cpu":
         use_hash_dropout(model)  # same distribution, a vectorised mask
+    if cfg.fast and cfg.onednn_linear and device.type == "cpu":
+        install_packed_linears(model)  # frozen weights packed once for oneDNN
     return model, tokenizer, device
 
 

@@ -1,0 +1,108 @@
+"""oneDNN packed linears against F.linear: outputs and input gradients, a LoRA policy's log-probs and
+LoRA gradients, swapped-in weights (merged LoRA) that must never meet a stale pack."""
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from llmrl.models import packed_linear
+from llmrl.models.loading import add_lora
+from llmrl.models.packed_linear import install_packed_linears, onednn_available, release_temporary_packs, uninstall_packed_linears
+from llmrl.rollout.sampler import merged_lora, sequence_logprobs
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN packed linear")
+
+
+def frozen_linear(n_in: int, n_out: int, bias: bool) -> nn.Linear:
+    layer = nn.Linear(n_in, n_out, bias=bias)
+    layer.requires_grad_(False)
+    return layer
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear_and_its_input_gradient(bias):
+    torch.manual_seed(0)
+    layer = frozen_linear(48, 80, bias)
+    x = torch.randn(3, 7, 48, requires_grad=True)
+    g = torch.randn(3, 7, 80)
+    want = nn.functional.linear(x, layer.weight, layer.bias)
+    (want_grad,) = torch.autograd.grad(want, x, g)
+    assert install_packed_linears(layer) == 1
+    got = layer(x)
+    (got_grad,) = torch.autograd.grad(got, x, g)
+    assert got.shape == (3, 7, 80)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-5)
+    assert layer.weight.grad is None  # frozen: no weight gradient
+    uninstall_packed_linears(layer)
+    assert "forward" not in layer.__dict__ and not hasattr(layer, "_llmrl_packs")
+
+
+def test_trainable_and_non_fp32_linears_are_left_alone():
+    trainable = nn.Linear(4, 4)
+    half = frozen_linear(4, 4, False).to(torch.bfloat16)
+    assert install_packed_linears(nn.Sequential(trainable, half)) == 0
+    assert "forward" not in trainable.__dict__ and "forward" not in half.__dict__
+
+
+def test_swapped_weights_get_their_own_pack_never_a_stale_one():
+    """A weight tensor swapped in (as merged LoRA does) is packed for itself; after release, a new
+    tensor at a possibly reused address is packed again, and the original weight uses its own pack."""
+    torch.manual_seed(0)
+    layer = frozen_linear(32, 24, False)
+    install_packed_linears(layer)
+    base = layer.weight.data
+    x = torch.randn(5, 32)
+    for k in range(4):
+        other = base + (k + 1.0)  # a fresh tensor each time; its memory may reuse the last one's
+        layer.weight.data = other
+        torch.testing.assert_close(layer(x), x @ other.T, rtol=1e-5, atol=1e-5)
+        layer.weight.data = base
+        release_temporary_packs(layer)
+        assert layer._llmrl_packs.temporary is None
+        del other
+        torch.testing.assert_close(layer(x), x @ base.T, rtol=1e-5, atol=1e-5)
+
+
+def test_policy_logprobs_and_lora_gradients_match_with_packed_linears(tiny_model_dir):
+    def policy():
+        torch.manual_seed(1)
+        model = add_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 4, 8, 0.0, ["q_proj", "v_proj", "up_proj"], False)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.5)
+        return model
+
+    torch.manual_seed(3)
+    ids = torch.randint(3, 1000, (4, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding in one row
+    results = []
+    for packed in (False, True):
+        model = policy()
+        if packed:
+            assert install_packed_linears(model) > 0  # base q/v/up, the other linears and the LM head
+            assert "forward" not in model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].__dict__
+        logp, _ = sequence_logprobs(model, ids, mask, 6)
+        logp.sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        with torch.no_grad(), merged_lora(model):
+            merged = sequence_logprobs(model, ids, mask, 6)[0]
+        if packed:
+            assert all(m._llmrl_packs.temporary is None for m in model.modules() if hasattr(m, "_llmrl_packs"))
+        results.append((logp.detach(), grads, merged))
+    (logp_a, grads_a, merged_a), (logp_b, grads_b, merged_b) = results
+    torch.testing.assert_close(logp_b, logp_a, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(merged_b, merged_a, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(merged_b, logp_b, rtol=1e-5, atol=1e-5)
+    assert grads_a.keys() == grads_b.keys() and len(grads_a) == 12
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_without_onednn_nothing_changes(monkeypatch):
+    monkeypatch.setattr(packed_linear, "onednn_available", lambda: False)
+    layer = frozen_linear(4, 4, False)
+    assert install_packed_linears(layer) == 0 and "forward" not in layer.__dict__
