@@ -111,8 +111,11 @@ def test_bench_no_trl_end_to_end(tiny_model_dir, one_thread_config, tmp_path, ca
     assert r["speedup_vs_trl"] is None and r["trl"] is None and r["sweep"] is None
     assert r["speedup_vs_trl_checkpointing"] is None and r["trl_checkpointing"] is None
     assert r["num_threads"] == 1
-    for value in (r["flop_limit_ratio"], r["flop_limit_s"], r["matmul_gflops"], r["n_params"]):
+    for value in (r["flop_limit_ratio"], r["flop_limit_s"], r["matmul_gflops"], r["n_params"], r["flop_limit_ratio_torch_mm"]):
         assert math.isfinite(value) and value > 0
+    rates = r["matmul_gflops_by_kernel"]
+    assert "torch.mm" in rates and r["matmul_gflops"] == max(rates.values())  # the limit uses the fastest kernel
+    assert r["flop_limit_ratio_torch_mm"] == pytest.approx(r["flop_limit_ratio"] * rates["torch.mm"] / r["matmul_gflops"])
     s = r["llmrl"]
     for key in ("step_s", "rollout_s", "update_s", "tokens_per_s", "peak_mb", "flop_limit_s", "flop_limit_ratio",
                 "mean_completion_tokens", "prompt_tokens_per_step"):
