@@ -106,3 +106,9 @@ def test_without_onednn_nothing_changes(monkeypatch):
     monkeypatch.setattr(packed_linear, "onednn_available", lambda: False)
     layer = frozen_linear(4, 4, False)
     assert install_packed_linears(layer) == 0 and "forward" not in layer.__dict__
+
+
+def test_packs_that_would_not_fit_the_memory_budget_are_not_made():
+    layer = frozen_linear(64, 32, False)  # 8 KiB of weights: 16 KiB of packs
+    assert install_packed_linears(layer, memory_budget=16 * 1024 - 1) == 0 and "forward" not in layer.__dict__
+    assert install_packed_linears(layer, memory_budget=16 * 1024) == 1

@@ -91,7 +91,7 @@ class TrainConfig:
     fast: bool = doc(True, "all speed paths on; false: the plain path (recompute old log-probs, unmerged LoRA while sampling)")
     logp_from_sampler: bool = doc(True, "old log-probs from the sampler's own temperature-1 logits (no second forward)")
     merge_lora_sampling: bool = doc(True, "merge LoRA into the base weights while sampling (exact weights restored after)")
-    fuse_accumulation: bool | None = doc(None, "one forward for all minibatches of an optimizer step (grad_accum_steps× activation memory; default: on for CPU, off on CUDA)")
+    fuse_accumulation: bool | None = doc(None, "one forward for all minibatches of an optimizer step, and reference passes of that many rows (grad_accum_steps× activation memory; default: on for CPU, off on CUDA)")
     hash_dropout: bool = doc(True, "CPU: LoRA dropout masks from a vectorised keyed hash (same distribution; PyTorch's CPU dropout draws each element serially)")
     onednn_linear: bool = doc(True, "CPU: frozen fp32 linears (base weights, LM head) run through oneDNN with pre-packed weights (~2x the rate of torch's default MKL sgemm here; holds packed copies of the frozen weights)")
     keep_heap_memory: bool = doc(True, "CPU: glibc malloc keeps freed memory for reuse (no page faults for each step's activations; the process holds its peak memory)")

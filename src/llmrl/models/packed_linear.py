@@ -94,21 +94,42 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
-def install_packed_linears(model: nn.Module) -> int:
+def available_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def packable_linears(model: nn.Module) -> list[nn.Linear]:
+    """The frozen fp32 CPU nn.Linear modules of `model` not packed yet (LoRA base layers, the LM head)."""
+    return [m for m in model.modules()
+            if isinstance(m, nn.Linear) and not hasattr(m, "_llmrl_packs") and m.weight.device.type == "cpu"
+            and m.weight.dtype == torch.float32 and not m.weight.requires_grad
+            and (m.bias is None or not m.bias.requires_grad)]
+
+
+def install_packed_linears(model: nn.Module, memory_budget: int | None = None) -> int:
     """Route every frozen fp32 CPU nn.Linear of `model` (LoRA base layers, the LM head) through
     oneDNN packed weights; packs its current weights now. Returns how many modules; 0 where oneDNN
-    is missing (nothing changes). Trainable linears (LoRA A and B) keep F.linear."""
+    is missing, or where the packs (about twice the frozen weights: W for forward, W.T for
+    backward) would exceed `memory_budget` bytes: nothing changes then. Trainable linears (LoRA A
+    and B) keep F.linear."""
     if not onednn_available():
         return 0
-    n = 0
-    for m in model.modules():
-        if (isinstance(m, nn.Linear) and not hasattr(m, "_llmrl_packs") and m.weight.device.type == "cpu"
-                and m.weight.dtype == torch.float32 and not m.weight.requires_grad
-                and (m.bias is None or not m.bias.requires_grad)):
-            m._llmrl_packs = PackCache(m.weight)
-            m.forward = types.MethodType(_packed_forward, m)
-            n += 1
-    return n
+    layers = packable_linears(model)
+    unique = {m.weight.data_ptr(): m.weight.numel() * m.weight.element_size() for m in layers}
+    if memory_budget is not None and 2 * sum(unique.values()) > memory_budget:
+        return 0
+    for m in layers:
+        m._llmrl_packs = PackCache(m.weight)
+        m.forward = types.MethodType(_packed_forward, m)
+    return len(layers)
 
 
 def release_temporary_packs(model: nn.Module) -> None:

@@ -42,7 +42,7 @@ from llmrl.config import TrainConfig, resume_differences, save_config
 from llmrl.errors import ConfigError, RunStopped
 from llmrl.logger import EVAL_SAMPLES, METRICS, SAMPLES, RunLogger
 from llmrl.models.loading import add_lora, load_base_model, pick_device, pick_dtype
-from llmrl.models.packed_linear import install_packed_linears
+from llmrl.models.packed_linear import available_memory_bytes, install_packed_linears, onednn_available, packable_linears
 from llmrl.rollout.sampler import concat_rollouts, eos_ids, generation_config, mix, prompt_length, rollout, select_rows
 from llmrl.training.cpu_speed import keep_heap_memory, use_hash_dropout
 from llmrl.training.distributed import Dist, init_distributed
@@ -68,6 +68,12 @@ def step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step * 7_919) % (2**63)
 
 
+def fuses_accumulation(cfg: TrainConfig, device: torch.device) -> bool:
+    """Whether the minibatches of one optimizer step share one forward (and the reference pass runs
+    that many rows at a time): `fuse_accumulation`, by default on for CPU under --fast."""
+    return cfg.fast and (cfg.fuse_accumulation if cfg.fuse_accumulation is not None else device.type == "cpu")
+
+
 def build_policy(cfg: TrainConfig):
     """(LoRA-wrapped model, tokenizer, device) for a config; LoRA init is seeded by cfg.seed."""
     device = pick_device(cfg.device)
@@ -77,7 +83,10 @@ def build_policy(cfg: TrainConfig):
     if cfg.fast and cfg.hash_dropout and device.type == "cpu":
         use_hash_dropout(model)  # same distribution, a vectorised mask
     if cfg.fast and cfg.onednn_linear and device.type == "cpu":
-        install_packed_linears(model)  # frozen weights packed once for oneDNN
+        free = available_memory_bytes()  # the packs copy the frozen weights twice: only if that fits easily
+        if not install_packed_linears(model, None if free is None else free // 2) and onednn_available() and packable_linears(model):
+            print("llmrl: not enough free memory for oneDNN packed weights; frozen linears stay on F.linear",
+                  file=sys.stderr)
     return model, tokenizer, device
 
 
@@ -246,7 +255,8 @@ def sample_and_score(model, tokenizer, task: Task, cfg: TrainConfig, gen_config,
             model, tokenizer, [ex.messages for ex in examples], group_size=g, gen_config=gen_config,
             max_prompt_tokens=cfg.max_prompt_tokens, seed=step_seed(cfg.seed, step) + 7_777 * rounds,
             first_prompt=first,
-            with_ref=cfg.kl_coef > 0, chunk=cfg.minibatch_size, temperature=cfg.temperature, top_p=cfg.top_p,
+            chunk=cfg.minibatch_size * (cfg.grad_accum_steps if fuses_accumulation(cfg, next(model.parameters()).device) else 1),
+            with_ref=cfg.kl_coef > 0, temperature=cfg.temperature, top_p=cfg.top_p,
             top_k=cfg.top_k, logp_from_sampler=cfg.fast and cfg.logp_from_sampler,
             merge_lora=cfg.fast and cfg.merge_lora_sampling, shared_prefix=cfg.fast and cfg.shared_prefix,
         )
@@ -404,7 +414,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
                 max_grad_norm=cfg.max_grad_norm, generator=shuffle, dist=dist, offset=row0,
                 lengths=torch.cat([p["lengths"] for p in parts]).to(device),
                 shared_prefix=cfg.fast and cfg.shared_prefix and not cfg.gradient_checkpointing,
-                fuse_accumulation=cfg.fast and (cfg.fuse_accumulation if cfg.fuse_accumulation is not None else device.type == "cpu"),
+                fuse_accumulation=fuses_accumulation(cfg, device),
             )
             stats["entropy"] = masked_mean(out.entropy, out.completion_mask).item()  # of the sampling policy, T = 1
             every_rank = dist.gather(stats)  # one collective for all the statistics
