@@ -112,3 +112,25 @@ def test_packs_that_would_not_fit_the_memory_budget_are_not_made():
     layer = frozen_linear(64, 32, False)  # 8 KiB of weights: 16 KiB of packs
     assert install_packed_linears(layer, memory_budget=16 * 1024 - 1) == 0 and "forward" not in layer.__dict__
     assert install_packed_linears(layer, memory_budget=16 * 1024) == 1
+
+
+def test_peft_merge_and_unload_in_place_repacks_the_base_weights(tiny_model_dir):
+    """merge_and_unload adds ΔW into the base weights in place (same storage): the packed layers must
+    compute with the merged weights afterwards, not with a stale pack of the old ones."""
+    torch.manual_seed(1)
+    model = add_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 4, 8, 0.0, ["q_proj", "v_proj", "up_proj"], False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    install_packed_linears(model)
+    ids = torch.randint(3, 1000, (2, 9))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        want = sequence_logprobs(model, ids, mask, 4)[0]  # LoRA unmerged
+        q = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+        ptr = q.weight.data_ptr()
+        merged = model.merge_and_unload()
+        assert merged.model.layers[0].self_attn.q_proj is q and q.weight.data_ptr() == ptr  # edited in place
+        got = sequence_logprobs(merged, ids, mask, 4)[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -6,12 +6,16 @@ CPUs (measured here: an AMD EPYC with AVX-512), runs a slower code path: 215–2
 decoding (16 rows) the gap is 3×. The base weights of a LoRA policy never change, so they are
 packed once (`install_packed_linears`); a module whose weight tensor is swapped for another (LoRA
 merged for sampling) gets a temporary pack of that tensor, dropped by `release_temporary_packs`.
+PEFT's merge/unmerge (and so merge_and_unload) change base weights in place: they repack. Any other
+in-place edit of a packed frozen weight must be followed by `uninstall_packed_linears` (a pack is
+found by the weight's storage address, which such an edit does not change).
 
 Same arithmetic up to summation order (outputs differ from F.linear by ~1e-6 relative).
 """
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -129,7 +133,26 @@ def install_packed_linears(model: nn.Module, memory_budget: int | None = None) -
     for m in layers:
         m._llmrl_packs = PackCache(m.weight)
         m.forward = types.MethodType(_packed_forward, m)
+    for m in model.modules():  # PEFT's merge/unmerge edit the base weight in place: pack it again after
+        base = getattr(m, "base_layer", None)
+        if isinstance(base, nn.Linear) and hasattr(base, "_llmrl_packs"):
+            for name in ("merge", "unmerge"):
+                if callable(getattr(m, name, None)) and name not in m.__dict__:
+                    setattr(m, name, _repacking(getattr(m, name), base))
     return len(layers)
+
+
+def _repacking(method, layer: nn.Linear):
+    """`method`, then a fresh pack of `layer`'s weight (which `method` may have changed in place)."""
+
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        finally:
+            layer._llmrl_packs = PackCache(layer.weight)
+
+    return run
 
 
 def release_temporary_packs(model: nn.Module) -> None:
@@ -147,3 +170,5 @@ def uninstall_packed_linears(model: nn.Module) -> None:
             del m._llmrl_packs
             if "forward" in m.__dict__:
                 del m.forward
+        for name in ("merge", "unmerge"):
+            m.__dict__.pop(name, None)
