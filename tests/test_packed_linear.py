@@ -65,23 +65,25 @@ def test_swapped_weights_get_their_own_pack_never_a_stale_one():
         torch.testing.assert_close(layer(x), x @ base.T, rtol=1e-5, atol=1e-5)
 
 
-def test_policy_logprobs_and_lora_gradients_match_with_packed_linears(tiny_model_dir):
-    def policy():
-        torch.manual_seed(1)
-        model = add_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 4, 8, 0.0, ["q_proj", "v_proj", "up_proj"], False)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0, 0.5)
-        return model
+def lora_policy(model_dir: str):
+    """The tiny model with LoRA on q, v, up, its B matrices non-zero (so merging changes weights)."""
+    torch.manual_seed(1)
+    model = add_lora(AutoModelForCausalLM.from_pretrained(model_dir), 4, 8, 0.0, ["q_proj", "v_proj", "up_proj"], False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    return model
 
+
+def test_policy_logprobs_and_lora_gradients_match_with_packed_linears(tiny_model_dir):
     torch.manual_seed(3)
     ids = torch.randint(3, 1000, (4, 12))
     mask = torch.ones_like(ids)
     mask[0, :3] = 0  # left padding in one row
     results = []
     for packed in (False, True):
-        model = policy()
+        model = lora_policy(tiny_model_dir)
         if packed:
             assert install_packed_linears(model) > 0  # base q/v/up, the other linears and the LM head
             assert "forward" not in model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].__dict__
@@ -117,12 +119,7 @@ def test_packs_that_would_not_fit_the_memory_budget_are_not_made():
 def test_peft_merge_and_unload_in_place_repacks_the_base_weights(tiny_model_dir):
     """merge_and_unload adds ΔW into the base weights in place (same storage): the packed layers must
     compute with the merged weights afterwards, not with a stale pack of the old ones."""
-    torch.manual_seed(1)
-    model = add_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 4, 8, 0.0, ["q_proj", "v_proj", "up_proj"], False)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
+    model = lora_policy(tiny_model_dir)
     install_packed_linears(model)
     ids = torch.randint(3, 1000, (2, 9))
     mask = torch.ones_like(ids)
