@@ -35,6 +35,7 @@ def test_packed_linear_matches_f_linear_and_its_input_gradient(bias):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-5)
     assert layer.weight.grad is None  # frozen: no weight gradient
+    assert layer(torch.zeros(0, 48)).shape == (0, 80)  # an empty batch falls back to F.linear
     uninstall_packed_linears(layer)
     assert "forward" not in layer.__dict__ and not hasattr(layer, "_llmrl_packs")
 

@@ -92,7 +92,7 @@ class PackCache:
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     w, b = self.weight, self.bias
     if (w.requires_grad or (b is not None and b.requires_grad) or x.dtype != torch.float32
-            or w.dtype != torch.float32 or x.device.type != "cpu" or torch.is_autocast_enabled("cpu")):
+            or w.dtype != torch.float32 or x.device.type != "cpu" or x.numel() == 0 or torch.is_autocast_enabled("cpu")):
         return nn.functional.linear(x, w, b)
     y = _PackedLinearFn.apply(x.reshape(-1, x.shape[-1]), self._llmrl_packs.get(w), b)
     return y.view(*x.shape[:-1], y.shape[-1])
