@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from llmrl.config import bool_word
 from llmrl.errors import ConfigError
 
 # The cpu-bench config of SPEC.md, mirroring configs/cpu-bench.yaml, so `llmrl bench` works from any directory.
@@ -72,7 +73,7 @@ N_PARAMS_NOTE = "all parameters of the base model (LoRA adapters excluded), embe
 
 def parse_bool(text: str) -> bool:
     """true/false (also 1/0, yes/no, on/off) for a command-line option."""
-    value = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}.get(text.lower())
+    value = bool_word(text)
     if value is None:
         raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
     return value

@@ -170,6 +170,12 @@ def _base_type(tp: Any) -> Any:
 _HINTS = typing.get_type_hints(TrainConfig)
 
 
+def bool_word(text: str) -> bool | None:
+    """True or False for a word a config or command line may use for it (1/0, true/false, yes/no,
+    on/off, any case); None for anything else."""
+    return {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}.get(text.lower())
+
+
 def convert(name: str, value: Any) -> Any:
     """Convert a YAML or CLI value to the field's type, or raise ConfigError."""
     if name not in FIELDS:
@@ -185,12 +191,10 @@ def convert(name: str, value: Any) -> Any:
         if tp is bool:
             if isinstance(value, bool):
                 return value
-            s = str(value).lower()
-            if s in ("1", "true", "yes", "on"):
-                return True
-            if s in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
+            word = bool_word(str(value))
+            if word is None:
+                raise ValueError
+            return word
         if tp is list:
             items = value.split(",") if isinstance(value, str) else list(value)
             return [str(x).strip() for x in items if str(x).strip()]
