@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from llmrl.algorithms.core import (
+    ADVANTAGE_ESTIMATORS,
     completion_mask,
     group_zscore_advantages,
     kl_k3,
@@ -105,6 +106,36 @@ def test_group_advantages_edge_cases():
     assert group_zscore_advantages(torch.tensor([1.0, 2.0]), 1).tolist() == [0.0, 0.0]
     with pytest.raises(ValueError, match="groups of 4"):
         group_zscore_advantages(torch.ones(6), 4)
+
+
+TASK_REWARD_LEVELS = (0.0, 0.1, 0.2, 0.3, 1.0, 1.1, 1.2, 1.3)  # every total format_copy and math_hard can give
+GROUP_SIZES = (2, 3, 4, 5, 6, 7, 8, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(ADVANTAGE_ESTIMATORS))
+def test_equal_reward_groups_get_exactly_zero(name, dtype):
+    estimator = ADVANTAGE_ESTIMATORS[name]
+    for g in GROUP_SIZES:
+        for level in TASK_REWARD_LEVELS:
+            # one zero-spread group between two groups with spread, so batch-wide statistics are non-trivial
+            rewards = torch.tensor([0.0] * (g - 1) + [1.3] + [level] * g + [1.1] + [0.1] * (g - 1), dtype=dtype)
+            adv = estimator(rewards, g)
+            assert adv.dtype == dtype
+            assert adv[g : 2 * g].tolist() == [0.0] * g, (name, g, level)
+            assert (adv[:g] != 0).all() and (adv[2 * g :] != 0).all(), (name, g, level)
+            alone = estimator(torch.full((g,), level, dtype=dtype), g)
+            assert alone.tolist() == [0.0] * g, (name, g, level)
+            normalized = normalize_advantages(adv, g)
+            assert normalized[g : 2 * g].tolist() == [0.0] * g, (name, g, level)
+
+
+def test_naive_zscore_of_equal_fp32_rewards_is_not_zero():
+    """The inputs above stress the bug: the plain formula gives ±0.1 to six equal rewards of 1.3 in fp32."""
+    grouped = torch.tensor([[1.3] * 6])
+    naive = (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, unbiased=False, keepdim=True) + 1e-6)
+    assert naive.abs().min().item() > 0.05
+    assert group_zscore_advantages(grouped.view(-1), 6).tolist() == [0.0] * 6
 
 
 def test_normalize_advantages_and_zero_spread_fraction():

@@ -238,7 +238,7 @@ def test_hostile_math_rows_are_skipped_and_counted(tmp_path):
     assert task.data_report["train"]["kept"] == 1
     assert task.data_report["train"]["dropped"] == {
         "not a JSON object": 2, "missing problem": 1, "problem is not text": 1, "empty problem": 1,
-        "invalid characters in problem": 2, "missing solution": 1, "no boxed answer": 1,
+        "invalid characters in problem": 2, "missing solution": 1, "no numeric answer": 1,
     }
     f.write_text(lines[1] + "\n" + lines[3] + "\n")
     with pytest.raises(DataError, match="no level-5 problems with numeric answers"):

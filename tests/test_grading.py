@@ -135,7 +135,7 @@ def test_grade_command(tmp_path):
 def test_math_hard_verify_keeps_every_readable_answer():
     seed = MathHardTask(data=str(FIXTURES / "math_tiny.jsonl"))
     verify = MathHardTask(data=str(FIXTURES / "math_tiny.jsonl"), reward="verify", time_limit=LIMIT)
-    assert len(verify.train_rows) == len(seed.train_rows) + 1  # the \sqrt answer the seed drops
+    assert len(verify.train_rows) == len(seed.train_rows) + 2  # the \sqrt and 10,\!000 answers the seed drops
     assert "non-numeric answer" in seed.data_report["train"]["dropped"]
     assert "non-numeric answer" not in verify.data_report["train"]["dropped"]
     ex = verify.example({"problem": "p", "gold": "\\frac{\\sqrt{3}}{2}", "gold_text": "\\frac{\\sqrt{3}}{2}"})

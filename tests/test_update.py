@@ -7,7 +7,13 @@ import torch
 
 from llmrl.algorithms.losses import LossSettings, grpo_loss, reinforce_loss
 from llmrl.algorithms.core import masked_mean_rows
-from llmrl.training.update import iter_minibatches, policy_update, trim_to_completions, warmup_factor
+from llmrl.training.update import (
+    accumulation_windows,
+    iter_minibatches,
+    policy_update,
+    trim_to_completions,
+    warmup_factor,
+)
 
 
 class BigramLM(torch.nn.Module):
@@ -37,9 +43,8 @@ def make_batch(n: int = 6, prompt_len: int = 2, gen: int = 3):
 
 
 def run(model, batch, opt, *, loss_fn=reinforce_loss, epochs=1, mb=2, accum=1, kl=0.0, seed=0):
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     return policy_update(
-        model, opt, sched, batch, prompt_len=2, loss_fn=loss_fn, ppo_epochs=epochs, minibatch_size=mb,
+        model, opt, batch, prompt_len=2, loss_fn=loss_fn, ppo_epochs=epochs, minibatch_size=mb,
         grad_accum_steps=accum, loss_settings=LossSettings(), kl_coef=kl, max_grad_norm=1e9, generator=torch.Generator().manual_seed(seed),
     )
 
@@ -66,14 +71,52 @@ def test_trim_to_completions_drops_unscored_tail():
 
 def test_warmup_is_linear_from_one_over_warmup():
     assert [warmup_factor(s, 4) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert [warmup_factor(s, 3) for s in range(4)] == [1 / 3, 2 / 3, 1.0, 1.0]
     assert warmup_factor(0, 0) == 1.0
 
 
 def test_optimizer_steps_with_accumulation_remainder():
     model = BigramLM()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    stats = run(model, make_batch(n=6), opt, mb=2, accum=2, epochs=2)  # 3 minibatches: 2 + a flushed 1, per epoch
-    assert stats["optimizer_steps"] == 4 and stats["skipped_updates"] == 0
+    # 3 minibatches per epoch, 6 in all, accumulated across epochs as the starter: windows 2 + 2 + 2
+    stats = run(model, make_batch(n=6), opt, mb=2, accum=2, epochs=2)
+    assert stats["optimizer_steps"] == 3 and stats["skipped_updates"] == 0 and stats["empty_minibatches"] == 0
+    # 5 minibatches per epoch (the last of one row), 15 in all, windows of 4: 4 + 4 + 4 + a flushed 3
+    stats = run(BigramLM(), make_batch(n=9), torch.optim.SGD(BigramLM().parameters(), lr=0.1), mb=2, accum=4, epochs=3)
+    assert stats["optimizer_steps"] == 4
+
+
+def test_accumulation_windows_skip_minibatches_without_tokens():
+    lengths = torch.tensor([3, 0, 0, 5, 0, 2, 0])  # scored tokens of 7 rows
+    mbs = [torch.tensor(r) for r in ([1, 2], [0, 1], [4, 6], [3], [2, 4], [5, 6], [6])]
+    windows, empty = accumulation_windows(mbs, lengths, 2)
+    assert empty == 4  # [1, 2], [4, 6], [2, 4], [6] score nothing
+    assert [[m.tolist() for m in w] for w in windows] == [[[0, 1], [3]], [[5, 6]]]
+    windows, empty = accumulation_windows(mbs, torch.zeros(7), 3)
+    assert windows == [] and empty == 7
+
+
+def test_update_without_completion_tokens_runs_no_forward_and_no_step():
+    """An all-masked update (e.g. overlong_filter removed every completion) leaves AdamW alone: no
+    forward, no optimizer step, its momentum from the last real step does not move the weights."""
+    model = BigramLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    run(model, make_batch(n=4), opt, mb=2, accum=1)  # a real step: AdamW now has momentum
+    w0 = model.w.detach().clone()
+    calls = []
+    model.register_forward_hook(lambda *a: calls.append(1))
+    batch = make_batch(n=4)
+    batch["completion_mask"].zero_()
+    stats = run(model, batch, opt, mb=2, accum=1, epochs=2)
+    assert stats["optimizer_steps"] == 0 and stats["empty_minibatches"] == 4 and stats["skipped_updates"] == 0
+    assert calls == [] and torch.equal(model.w.detach(), w0)
+    # seed 0 draws minibatches [0, 1] and [3, 2]: the first scores nothing and is skipped
+    batch = make_batch(n=4)
+    batch["completion_mask"][[0, 1]] = 0
+    assert torch.randperm(4, generator=torch.Generator().manual_seed(0))[:2].tolist() == [0, 1]
+    stats = run(model, batch, opt, mb=2, accum=1, epochs=1, seed=0)
+    assert stats["empty_minibatches"] == 1
+    assert stats["optimizer_steps"] == 1
 
 
 def test_accumulated_gradient_equals_the_full_batch_gradient():

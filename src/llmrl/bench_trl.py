@@ -66,7 +66,7 @@ def trl_settings(cfg: dict[str, Any]) -> dict[str, Any]:
         scale_rewards="group",  # group z-score, as llmrl's group_zscore estimator
         learning_rate=cfg["lr"],
         lr_scheduler_type="constant_with_warmup",  # llmrl: linear warmup, then constant
-        warmup_steps=cfg["warmup_steps"],
+        warmup_steps=cfg["warmup_steps"] * cfg["ppo_epochs"],  # llmrl counts warmup in RL steps
         max_grad_norm=cfg["max_grad_norm"],
         adam_beta1=cfg["adam_beta1"],
         adam_beta2=cfg["adam_beta2"],

@@ -3,7 +3,7 @@ than the steps since the previous one.
 
 Each holds the PEFT adapter (`adapter_model.safetensors` + `adapter_config.json`, loadable with
 plain `PeftModel.from_pretrained`), `optimizer.pt` and `rng.pt` (tensors only, loaded with
-`weights_only=True`), `trainer_state.json` (step, scheduler, task and Python/NumPy RNG state,
+`weights_only=True`), `trainer_state.json` (step, task and Python/NumPy RNG state,
 config) and last `manifest.json` (size and SHA-256 of every other file).
 
 Writing: everything goes into a temporary directory, is flushed to disk, and the directory is renamed
@@ -175,7 +175,7 @@ def load_tensors(path: Path, device: torch.device | str = "cpu") -> Any:
 
 
 def load_checkpoint(path: Path, model, optimizer: torch.optim.Optimizer, generator: torch.Generator) -> dict[str, Any]:
-    """Restore adapter weights, optimizer and RNGs; return the trainer state (step, scheduler, task, ...)."""
+    """Restore adapter weights, optimizer and RNGs; return the trainer state (step, task, ...)."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 

@@ -57,8 +57,8 @@ class TrainConfig:
     weight_decay: float = doc(0.0, "AdamW weight decay")
     adam_beta1: float = doc(0.9, "AdamW beta1")
     adam_beta2: float = doc(0.95, "AdamW beta2")
-    warmup_steps: int = doc(100, "optimizer steps of linear warmup from lr/warmup to lr")
-    grad_accum_steps: int = doc(1, "minibatches per optimizer step (a remainder is flushed at the end of a pass)")
+    warmup_steps: int = doc(100, "RL steps of linear warmup, as the starter: RL step s (0-based) uses lr·min(1, (s+1)/warmup_steps) for all its optimizer steps")
+    grad_accum_steps: int = doc(1, "minibatches per optimizer step, counted across epochs as the starter (empty ones skipped, a remainder flushed at the end of the update)")
     ppo_epochs: int = doc(1, "passes over each rollout (reinforce: must be 1)")
     minibatch_size: int = doc(8, "completions per minibatch; must divide batch_size*group_size")
     clip_eps: float = doc(0.1, "GRPO ratio clip epsilon (both sides unless clip_eps_low/high are set)")
@@ -100,7 +100,7 @@ class TrainConfig:
     eval_interval: int = doc(100, "evaluate every this many steps, and at the end (0 = only at the end)")
     eval_n: int | None = doc(None, "eval examples (default: the task's, 64 for format_copy, 512 for math_hard)")
     eval_batch_size: int = doc(32, "prompts per generate call in eval")
-    eval_max_new_tokens: int | None = doc(None, "max new tokens in eval (default: max_new_tokens)")
+    eval_max_new_tokens: int | None = doc(None, "max new tokens in eval (default: max_new_tokens; format_copy at most 24, as the starter)")
     save_interval: int = doc(100, "checkpoint every this many steps, and at the end (0 = only at the end)")
     keep_checkpoints: int = doc(3, "keep the newest this many checkpoints (0 = keep all)")
     max_bad_steps: int = doc(5, "stop (with a checkpoint) after this many consecutive skipped non-finite updates")
@@ -132,11 +132,12 @@ class TrainConfig:
 
     @property
     def minibatches_per_epoch(self) -> int:
-        return self.rollout_size // self.minibatch_size
+        return -(-self.rollout_size // self.minibatch_size)  # the last may be smaller
 
     @property
     def optimizer_steps_per_rl_step(self) -> int:
-        return self.ppo_epochs * -(-self.minibatches_per_epoch // self.grad_accum_steps)
+        """When every minibatch has completion tokens: the epochs' minibatches in windows of grad_accum."""
+        return -(-self.ppo_epochs * self.minibatches_per_epoch // self.grad_accum_steps)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

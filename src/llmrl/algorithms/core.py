@@ -104,41 +104,53 @@ def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return rewards.view(-1, group_size)  # [N/G, G]
 
 
+def _centred(grouped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(r − group mean, has_spread) for grouped rewards [N/G, G] → ([N/G, G], [N/G, 1] bool).
+
+    A group whose rewards are all equal is centred to exactly 0: in floating point its mean can differ
+    from its members by one ulp (six rewards of 1.3 in fp32 average to 1.3 − 1.2e-7) while its std is
+    exactly 0, and z-scoring that rounding error gives ±0.12 to every member.
+    """
+    spread = grouped.amax(dim=1, keepdim=True) != grouped.amin(dim=1, keepdim=True)  # [N/G, 1]
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    return torch.where(spread, centred, torch.zeros_like(centred)), spread
+
+
 def group_zscore_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """The seed's group-relative advantage (GRPO): A = (r − group mean) / (group population std + 1e-6).
 
-    rewards [N] prompt-major → [N]. A group with equal rewards gets 0; group_size ≤ 1 gives zeros.
+    rewards [N] prompt-major → [N]. A group with equal rewards gets exactly 0; group_size ≤ 1 gives zeros.
     """
     if group_size <= 1:
         return torch.zeros_like(rewards)
     grouped = _groups(rewards, group_size)
-    mean = grouped.mean(dim=1, keepdim=True)  # [N/G, 1]
+    centred, _ = _centred(grouped)
     std = grouped.std(dim=1, unbiased=False, keepdim=True)  # population std
-    return ((grouped - mean) / (std + EPS_STD)).view(-1)
+    return (centred / (std + EPS_STD)).view(-1)
 
 
 def group_mean_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """Dr. GRPO: A = r − group mean (no division by the std, which favours easy and hard prompts).
-    rewards [N] → [N]."""
+    rewards [N] → [N]; equal groups get exactly 0."""
     if group_size <= 1:
         return torch.zeros_like(rewards)
-    grouped = _groups(rewards, group_size)
-    return (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)
+    return _centred(_groups(rewards, group_size))[0].view(-1)
 
 
 def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """RLOO: A_i = r_i − mean_{j≠i} r_j, the leave-one-out baseline; equals G/(G−1)·(r_i − group mean).
-    rewards [N] → [N]."""
+    rewards [N] → [N]; equal groups get exactly 0."""
     if group_size <= 1:
         return torch.zeros_like(rewards)
     grouped = _groups(rewards, group_size)
     others = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)  # [N/G, G]
-    return (grouped - others).view(-1)
+    _, spread = _centred(grouped)
+    return torch.where(spread, grouped - others, torch.zeros_like(grouped)).view(-1)
 
 
 def batch_zscore_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """Batch-level normalisation (REINFORCE++-baseline): subtract the group mean, then divide by the
-    population std of those differences over the whole batch. rewards [N] → [N]."""
+    population std of those differences over the whole batch. rewards [N] → [N]; equal groups get 0."""
     centred = group_mean_advantages(rewards, group_size)
     return centred / (centred.std(unbiased=False) + EPS_STD)
 
@@ -161,9 +173,15 @@ def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, fa
     return -factor * (over / buffer).clamp(max=1.0)
 
 
-def normalize_advantages(adv: torch.Tensor) -> torch.Tensor:
-    """Global z-score over the whole batch: adv [N] → [N]; all-equal input gives zeros."""
-    return (adv - adv.mean()) / (adv.std(unbiased=False) + EPS_STD)
+def normalize_advantages(adv: torch.Tensor, group_size: int = 1) -> torch.Tensor:
+    """Global z-score over the whole batch: adv [N] → [N]. Groups of `group_size` whose advantages are
+    all equal (a group with no reward spread) stay exactly 0; all-equal input gives zeros."""
+    out = (adv - adv.mean()) / (adv.std(unbiased=False) + EPS_STD)
+    if group_size <= 1:
+        return torch.where(adv.amax() != adv.amin(), out, torch.zeros_like(out))
+    grouped = _groups(adv, group_size)
+    spread = grouped.amax(dim=1, keepdim=True) != grouped.amin(dim=1, keepdim=True)  # [N/G, 1]
+    return torch.where(spread, _groups(out, group_size), torch.zeros_like(grouped)).view(-1)
 
 
 def zero_spread_fraction(rewards: torch.Tensor, group_size: int) -> float:

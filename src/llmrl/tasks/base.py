@@ -37,6 +37,7 @@ class Task(Protocol):
 
     def reward(self, example: Example, completion: str) -> Reward: ...
 
+    # Optional: `eval_max_new_tokens: int`, a cap on eval's max_new_tokens (format_copy: 24, as the starter).
     # Optional: `reward_batch(examples, completions) -> list[Reward]`, used instead of `reward` when a
     # task can grade a whole step at once (math_hard's verify mode grades on all cores).
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass
 
+from llmrl.tasks import seed_parsing
 from llmrl.tasks.base import Example, Reward, SeededSampling, mean_of
 
 SYSTEM = (
@@ -15,49 +15,34 @@ SYSTEM = (
 )
 USER = "Copy this integer exactly: {target}"
 LOW, HIGH = -5000, 5000
-EVAL_SEED = 1234  # fixed, so every run evaluates on the same targets
-
-THINK = re.compile(r"<think>.*?</think>", re.IGNORECASE | re.DOTALL)
-TAG = re.compile(r"<answer>(.*?)</answer>", re.IGNORECASE | re.DOTALL)
-ONLY_TAG = re.compile(r"\s*<answer>((?:(?!</?answer>).)*)</answer>\s*", re.IGNORECASE | re.DOTALL)
-NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+EVAL_SEED_OFFSET = 123  # eval targets come from random.Random(seed + 123), as in the starter (123 at seed 0)
 WEIGHTS = {"has_tag": 0.2, "strict": 0.1, "exact": 1.0}
 
 
 @dataclass(frozen=True)
 class FormatGrade:
     has_tag: bool  # contains <answer>…</answer>
-    strict: bool  # the whole text is exactly one tag (surrounding whitespace allowed)
-    exact: bool  # the first tag holds the target
-
-
-def tag_number(content: str) -> float | None:
-    """The number in a tag: the content itself if it is a plain number, else the last number in it."""
-    content = content.strip()
-    if NUMBER.fullmatch(content):
-        return float(content.replace(",", ""))
-    found = NUMBER.findall(content)
-    return float(found[-1].replace(",", "")) if found else None
+    strict: bool  # the whole text starts with <answer> and ends with </answer> (surrounding whitespace allowed)
+    exact: bool  # the first tag holds the target (within 1e-6)
 
 
 def grade(completion: str, target: int) -> FormatGrade:
-    """The one grader behind both reward and eval. `<think>…</think>` blocks are removed first."""
-    text = THINK.sub("", completion)
-    first = TAG.search(text)
-    value = tag_number(first.group(1)) if first else None
+    """The one grader behind both reward and eval: the starter's rules (tasks/seed_parsing.py)."""
     return FormatGrade(
-        has_tag=first is not None,
-        strict=ONLY_TAG.fullmatch(text) is not None,
-        exact=value is not None and value == target,
+        has_tag=seed_parsing.answer_tag(completion) is not None,
+        strict=seed_parsing.is_only_answer_tag(completion),
+        exact=seed_parsing.matches(seed_parsing.tag_number(completion), float(target)),
     )
 
 
 class FormatCopyTask(SeededSampling):
     name = "format_copy"
     eval_n_default = 64
+    eval_max_new_tokens = 24  # the starter evaluates format_copy with min(max_new_tokens, 24)
 
     def __init__(self, seed: int = 0):
         self.rng = random.Random(seed)
+        self.eval_seed = seed + EVAL_SEED_OFFSET
 
     @staticmethod
     def example(target: int) -> Example:
@@ -70,7 +55,7 @@ class FormatCopyTask(SeededSampling):
         return [self.example(self.rng.randint(LOW, HIGH)) for _ in range(n)]
 
     def eval_examples(self, n: int) -> list[Example]:
-        rng = random.Random(EVAL_SEED)
+        rng = random.Random(self.eval_seed)
         return [self.example(rng.randint(LOW, HIGH)) for _ in range(n)]
 
     def reward(self, example: Example, completion: str) -> Reward:

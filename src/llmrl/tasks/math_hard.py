@@ -12,6 +12,7 @@ from typing import Any
 
 from llmrl import grading
 from llmrl.errors import DataError
+from llmrl.tasks import seed_parsing
 from llmrl.tasks.base import Example, Reward, SeededSampling, mean_of
 
 SYSTEM = (
@@ -22,72 +23,31 @@ SYSTEM = (
 )
 USER = "{problem}\n\nReturn only: \\boxed{{NUMBER}}"
 HUB_DATASET = "the-jb/hendrycks-math"
-LEVEL = "Level 5"
-TOLERANCE = 1e-6
-
-NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+")
-_PLAIN = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)"
-_FRAC = re.compile(r"([-+]?)\\[dt]?frac\{(" + _PLAIN + r")\}\{(" + _PLAIN + r")\}")
-_SLASH = re.compile(r"(" + _PLAIN + r")/(" + _PLAIN + r")")
-_MIXED = re.compile(r"([-+]?)(\d+)\\[dt]?frac\{(\d+)\}\{(\d+)\}")
-_TEXT = re.compile(r"^\\(?:text|textbf|mathrm|mbox)\{(.*)\}$")
-_SPACING = re.compile(r"\\[!,;: ]|\$|\s")
-
-
-def last_boxed(text: str) -> str | None:
-    """The seed's extraction: content of the last `\\boxed{…}` with balanced braces; None if absent
-    or unclosed."""
-    return grading.last_boxed(text, commands=("\\boxed",))
-
-
-def parse_number(s: str) -> float | None:
-    """A numeric answer as a float: integers, decimals, a/b, \\frac{a}{b}, mixed numbers, \\text{n}.
-
-    Anything else (radicals, intervals, expressions, words) is None: the seed keeps only numeric golds.
-    """
-    s = _SPACING.sub("", s)
-    while (m := _TEXT.match(s)) is not None:
-        s = m.group(1)
-    s = s.replace(",", "") if re.fullmatch(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?", s) else s
-    if re.fullmatch(_PLAIN, s):
-        return float(s)
-    if m := _MIXED.fullmatch(s):
-        sign = -1.0 if m.group(1) == "-" else 1.0
-        whole, num, den = int(m.group(2)), int(m.group(3)), int(m.group(4))
-        return sign * (whole + num / den) if den else None
-    for pattern in (_FRAC, _SLASH):
-        if m := pattern.fullmatch(s):
-            groups = m.groups()
-            sign = -1.0 if len(groups) == 3 and groups[0] == "-" else 1.0
-            num, den = float(groups[-2]), float(groups[-1])
-            return sign * num / den if den else None
-    return None
-
-
-def last_number(text: str) -> float | None:
-    """The last number written anywhere in the text (thousands commas allowed)."""
-    found = NUMBER.findall(text)
-    return float(found[-1].replace(",", "")) if found else None
-
-
-def close(a: float | None, b: float) -> bool:
-    return a is not None and abs(a - b) <= TOLERANCE
+LEVEL = 5
+LEVEL_NUMBER = re.compile(r"\d+")
 
 
 @dataclass(frozen=True)
 class MathGrade:
-    boxed: bool  # the text contains \boxed{
-    boxed_exact: bool  # the last boxed content is the gold number
-    relaxed: bool  # the last number anywhere in the text is the gold number
+    """The seed's verdicts on one completion (tasks/seed_parsing.py has the parsing rules)."""
+
+    boxed_keyword: bool  # the lower-cased raw text contains `\boxed{` (the +0.1 format reward)
+    boxed: bool  # a closed `\boxed{…}` is present (eval/boxed_rate)
+    boxed_exact: bool  # the last closed boxed answer is a number within 1e-6 of the gold
+    boxed_parses: bool  # that boxed answer is a number at all
+    last_exact: bool  # the last number anywhere in the text equals the gold
 
 
 def grade(completion: str, gold: float) -> MathGrade:
     """The one grader behind both reward and eval."""
-    content = last_boxed(completion)
+    content = seed_parsing.last_boxed(completion)
+    value = None if content is None else seed_parsing.parse_number(content)
     return MathGrade(
-        boxed="\\boxed{" in completion,
-        boxed_exact=content is not None and close(parse_number(content), gold),
-        relaxed=close(last_number(completion), gold),
+        boxed_keyword="\\boxed{" in completion.lower(),
+        boxed=content is not None,
+        boxed_exact=seed_parsing.matches(value, gold),
+        boxed_parses=value is not None,
+        last_exact=seed_parsing.matches(seed_parsing.last_number(completion), gold),
     )
 
 
@@ -128,57 +88,82 @@ def load_split(source: str | None, split: str) -> list[dict[str, Any]]:
     return [r for r in read_rows(path) if not isinstance(r, dict) or r.get("split", split) == split]
 
 
-def why_dropped(row: Any, numeric: bool = True) -> str | None:
-    """The reason a row is unusable, or None if it is a level-5 problem with a boxed gold answer (a
-    numeric one when `numeric`, the seed's rule)."""
+def level_of(value: Any) -> int | None:
+    """The starter's level: the first integer written in the value ("Level 5", 5, "5" → 5)."""
+    m = LEVEL_NUMBER.search(str(value))
+    return int(m.group()) if m else None
+
+
+def _text_field(row: dict[str, Any], keys: tuple[str, ...]) -> tuple[str | None, str | None]:
+    """(stripped text, None) from the first of `keys` present in the row, or (None, why it is unusable)."""
+    key = next((k for k in keys if k in row), keys[0])
+    value = row.get(key)
+    if value is None:
+        return None, f"missing {keys[0]}"
+    if not isinstance(value, str):
+        return None, f"{keys[0]} is not text"
+    if not value.strip():
+        return None, f"empty {keys[0]}"
+    if "\x00" in value or "\ufffd" in value:
+        return None, f"invalid characters in {keys[0]}"
+    return value.strip(), None
+
+
+def usable_row(row: Any, mode: str = "seed") -> tuple[dict[str, Any] | None, str | None]:
+    """(row with problem, solution, level, gold, gold_text; None) for a usable level-5 problem, else
+    (None, the reason it is dropped).
+
+    The starter's `_build_rows`: the level is the first integer of `level` (or `difficulty`); problem
+    and solution come from `problem`/`question`/`prompt` and `solution`/`answer`/`final_answer`,
+    stripped. seed: the gold is the last boxed answer of the solution read as a number, else the whole
+    solution as a number, and must be finite. verify: the last boxed answer as text (math-verify reads
+    it later). Beyond the starter, rows that are not objects or whose text is missing, not a string or
+    holds NUL/replacement characters are dropped (the starter would train on the text "None").
+    """
     if not isinstance(row, dict):
-        return "not a JSON object"
-    for key in ("problem", "solution", "level"):
-        if key not in row or row[key] is None:
-            return f"missing {key}"
-        if not isinstance(row[key], str):
-            return f"{key} is not text"
-        if not row[key].strip():
-            return f"empty {key}"
-        if "\x00" in row[key] or "\ufffd" in row[key]:
-            return f"invalid characters in {key}"
-    if row["level"] != LEVEL:
-        return "not level 5"
-    boxed = last_boxed(row["solution"]) if numeric else grading.gold_from_solution(row["solution"])
-    if boxed is None:
-        return "no boxed answer"
-    if numeric and parse_number(boxed) is None:
-        return "non-numeric answer"
-    return None
+        return None, "not a JSON object"
+    level = level_of(row.get("level", row.get("difficulty")))
+    if level is None:
+        return None, "missing level"
+    if level != LEVEL:
+        return None, "not level 5"
+    problem, why = _text_field(row, ("problem", "question", "prompt"))
+    if why:
+        return None, why
+    solution, why = _text_field(row, ("solution", "answer", "final_answer"))
+    if why:
+        return None, why
+    if mode == "seed":
+        gold = seed_parsing.solution_gold(solution)
+        if gold is None:
+            return None, "non-numeric answer" if seed_parsing.last_boxed(solution) is not None else "no numeric answer"
+        boxed = seed_parsing.last_boxed(solution)
+        gold_text = boxed if boxed is not None and seed_parsing.parse_number(boxed) is not None else solution
+    else:
+        gold = gold_text = grading.gold_from_solution(solution)
+        if gold is None:
+            return None, "no boxed answer"
+    return {**row, "problem": problem, "solution": solution, "level": level, "gold": gold, "gold_text": gold_text}, None
 
 
 def level5(rows: list[Any], mode: str = "seed", time_limit: float = grading.DEFAULT_TIME_LIMIT,
            workers: int | None = None) -> tuple[list[dict[str, Any]], Counter]:
-    """Keep the usable level-5 problems in order, with `gold` and `gold_text`; count the others by
-    reason. seed: numeric golds only (gold is a float). verify: every gold math-verify can read
-    (gold is the answer text)."""
+    """Keep the usable level-5 problems in order (see usable_row); count the others by reason.
+    seed: numeric golds only (gold is a float). verify: every gold math-verify can read (gold is the
+    answer text)."""
     kept, dropped = [], Counter()
     for row in rows:
-        reason = why_dropped(row, numeric=mode == "seed")
-        if reason is not None:
+        usable, reason = usable_row(row, mode)
+        if usable is None:
             dropped[reason] += 1
-        elif mode == "seed":
-            boxed = last_boxed(row["solution"])
-            kept.append({**row, "gold": parse_number(boxed), "gold_text": boxed})
         else:
-            boxed = grading.gold_from_solution(row["solution"])
-            kept.append({**row, "gold": boxed, "gold_text": boxed})
+            kept.append(usable)
     if mode == "verify" and kept:
         readable = grading.gold_parses([row["gold"] for row in kept], time_limit=time_limit, workers=workers)
         dropped["gold answer unreadable by math-verify"] += readable.count(False)
         kept = [row for row, ok in zip(kept, readable) if ok]
         dropped = +dropped  # drop zero counts
     return kept, dropped
-
-
-def numeric_level5(rows: list[Any]) -> tuple[list[dict[str, Any]], Counter]:
-    """The seed's pool: level-5 problems whose gold (last boxed answer of the solution) is numeric."""
-    return level5(rows, "seed")
 
 
 class MathHardTask(SeededSampling):
@@ -217,7 +202,7 @@ class MathHardTask(SeededSampling):
         )
 
     def sample_train_batch(self, n: int) -> list[Example]:
-        return [self.example(self.rng.choice(self.train_rows)) for _ in range(n)]
+        return [self.example(self.train_rows[self.rng.randrange(len(self.train_rows))]) for _ in range(n)]
 
     def eval_examples(self, n: int) -> list[Example]:
         return [self.example(r) for r in self.test_rows[:n]]
@@ -245,9 +230,9 @@ class MathHardTask(SeededSampling):
             return self.verify_reward(self.verdicts([example], [completion])[0])
         g = grade(completion, example.answer)
         components = {
-            "boxed": 0.1 * g.boxed,
+            "boxed": 0.1 * g.boxed_keyword,
             "boxed_exact": 1.0 * g.boxed_exact,
-            "relaxed": 0.1 * (g.relaxed and not g.boxed_exact),
+            "relaxed": 0.1 * (g.last_exact and not g.boxed_parses),  # only when the boxed answer is no number
         }
         return Reward(total=sum(components.values()), components=components)
 
@@ -262,6 +247,6 @@ class MathHardTask(SeededSampling):
         grades = [grade(c, ex.answer) for ex, c in zip(examples, completions, strict=True)]
         return {
             "boxed_exact": mean_of([g.boxed_exact for g in grades]),
-            "relaxed_exact": mean_of([g.relaxed for g in grades]),
+            "relaxed_exact": mean_of([g.boxed_exact or g.last_exact for g in grades]),
             "boxed_rate": mean_of([g.boxed for g in grades]),
         }

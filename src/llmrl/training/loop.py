@@ -12,8 +12,9 @@
         7. eval     every eval_interval steps and at the end (and once before step 1)
         8. save     every save_interval steps and at the end
 
-Everything the next step needs lives in the model, the optimizer, the scheduler, the task's RNG and
-the shuffle generator, which is exactly what a checkpoint holds, so `--resume` continues the run.
+Everything the next step needs lives in the model, the optimizer, the task's RNG and the shuffle
+generator (the learning rate is a function of the step), which is exactly what a checkpoint holds,
+so `--resume` continues the run.
 """
 
 from __future__ import annotations
@@ -94,8 +95,9 @@ def run_eval(cfg: TrainConfig, model, tokenizer, task: Task, dist: Dist | None =
     n = cfg.eval_n if cfg.eval_n is not None else task.eval_n_default
     return evaluate(
         model, tokenizer, task, task.eval_examples(n), batch_size=cfg.eval_batch_size,
-        max_prompt_tokens=cfg.max_prompt_tokens, min_new_tokens=cfg.min_new_tokens,
-        max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens, merge_lora=cfg.fast and cfg.merge_lora_sampling,
+        max_prompt_tokens=cfg.max_prompt_tokens, min_new_tokens=0,  # the starter's eval sets no minimum
+        max_new_tokens=cfg.eval_max_new_tokens or min(cfg.max_new_tokens, getattr(task, "eval_max_new_tokens", cfg.max_new_tokens)),
+        merge_lora=cfg.fast and cfg.merge_lora_sampling,
         dist=dist,
     )
 
@@ -317,7 +319,6 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
     loss_fn, estimator = LOSSES[cfg.algo], ADVANTAGE_ESTIMATORS[cfg.adv_estimator]
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_factor(s, cfg.warmup_steps))
     shuffle = torch.Generator().manual_seed(cfg.seed + 1)
     eos = eos_ids(model, tokenizer)
     gen_config = generation_config(  # greedy over the KeyedSampler's choice: sampling happens in rollout()
@@ -326,12 +327,11 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
     )
 
     start = 1
-    totals = {"optimizer_steps": 0, "skipped_updates": 0, "bad_in_a_row": 0, "reward_errors": 0,
+    totals = {"optimizer_steps": 0, "skipped_updates": 0, "empty_minibatches": 0, "bad_in_a_row": 0, "reward_errors": 0,
               "prompts_skipped": 0, "completions": 0, "train_seconds": 0.0}
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, model, optimizer, shuffle)
         restore_rank_rng(state, cfg, dist)
-        scheduler.load_state_dict(state["scheduler"])
         task.load_state_dict(state["task"])
         start, totals = state["step"] + 1, state["totals"]
     if is_main:
@@ -355,7 +355,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
         rank_rng = dist.gather(torch.get_rng_state())  # every rank's dropout stream, saved by rank 0
         if not is_main:
             return None
-        state = {"scheduler": scheduler.state_dict(), "task": task.state_dict(), "totals": totals, "config": cfg.to_dict(),
+        state = {"task": task.state_dict(), "totals": totals, "config": cfg.to_dict(),
                  "world_size": dist.world}
         extra = {f"torch_rank{r}": t for r, t in enumerate(rank_rng)} if dist.enabled else {}
         try:
@@ -376,6 +376,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
         for step in bar:
             # 1-3. sample prompts, complete them G times, score the completions (DAPO: refill flat groups)
             t0 = time.perf_counter()
+            for group in optimizer.param_groups:  # warmup counted in RL steps, as the starter does
+                group["lr"] = cfg.lr * warmup_factor(step - 1, cfg.warmup_steps)
             owners, out, rewards, sampling = sample_and_score(model, tokenizer, task, cfg, gen_config, step, dist)
             rewards_t = torch.tensor([r.total for r in rewards], dtype=torch.float32)
             shaping = reward_shaping(cfg, out)  # overlong penalty, KL-in-reward: [N] each
@@ -388,6 +390,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
             rollout_s = time.perf_counter() - t0
             # every rank's share, in rank order (global row order): for advantages, logging and samples
             parts = dist.gather({"rewards": rewards, "rewards_t": rewards_t, "lengths": out.completion_lens.cpu(),
+                                 "scored": out.completion_mask.sum(1).cpu(),
                                  "ended": out.ended.cpu(), "texts": out.texts, "owners": owners, "sampling": sampling,
                                  "prompts_truncated": out.prompts_truncated})
             local_rewards_t, rewards_t = rewards_t, torch.cat([p["rewards_t"] for p in parts])  # [N]
@@ -397,7 +400,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
             # 4. advantages (over the global batch: every estimator is exact with any number of ranks)
             adv = estimator(rewards_t, cfg.group_size)
             if cfg.normalize_advantages:
-                adv = normalize_advantages(adv)
+                adv = normalize_advantages(adv, cfg.group_size)
             adv = adv.clamp(-cfg.adv_clip, cfg.adv_clip)
 
             # 5. update
@@ -408,11 +411,11 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
             if out.logp_ref is not None:
                 batch["logp_ref"] = out.logp_ref
             stats = policy_update(
-                model, optimizer, scheduler, batch, prompt_len=out.prompt_len, loss_fn=loss_fn, ppo_epochs=cfg.ppo_epochs,
+                model, optimizer, batch, prompt_len=out.prompt_len, loss_fn=loss_fn, ppo_epochs=cfg.ppo_epochs,
                 minibatch_size=cfg.minibatch_size, grad_accum_steps=cfg.grad_accum_steps, loss_settings=cfg.loss_settings,
                 kl_coef=0.0 if cfg.kl_in_reward else cfg.kl_coef, kl_estimator=cfg.kl_estimator,
                 max_grad_norm=cfg.max_grad_norm, generator=shuffle, dist=dist, offset=row0,
-                lengths=torch.cat([p["lengths"] for p in parts]).to(device),
+                lengths=torch.cat([p["scored"] for p in parts]).to(device),
                 shared_prefix=cfg.fast and cfg.shared_prefix and not cfg.gradient_checkpointing,
                 fuse_accumulation=fuses_accumulation(cfg, device),
             )
@@ -423,9 +426,11 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
 
             # 6. log
             steps_taken, skipped, trailing = stats.pop("optimizer_steps"), stats.pop("skipped_updates"), stats.pop("trailing_skips")
+            empty = stats.pop("empty_minibatches")
             totals["bad_in_a_row"] = trailing if steps_taken else totals["bad_in_a_row"] + skipped
             totals["optimizer_steps"] += steps_taken
-            totals["skipped_updates"] += skipped
+            totals["skipped_updates"] += skipped + empty
+            totals["empty_minibatches"] = totals.get("empty_minibatches", 0) + empty
             sampling = {k: sum(p["sampling"][k] for p in parts) for k in sampling}
             totals["reward_errors"] += sampling.pop("reward_errors")
             totals["prompts_skipped"] += sampling.pop("prompts_skipped")
@@ -438,6 +443,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
                 **{f"train/{k}": v for k, v in stats.items()},
                 "train/optimizer_steps": totals["optimizer_steps"],
                 "train/skipped_updates": totals["skipped_updates"],
+                "train/empty_minibatches": totals["empty_minibatches"],
                 "reward/errors": totals["reward_errors"],
                 "rollout/completion_len": lengths.mean().item(),
                 "rollout/completion_len_max": lengths.max().item(),
