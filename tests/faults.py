@@ -22,8 +22,9 @@ import torch
 
 import llmrl.checkpoint
 import llmrl.logger
-import llmrl.training.loop
 from llmrl.cli import main
+from llmrl.run_files import METRICS
+from llmrl.training import hooks
 
 
 def die() -> None:
@@ -38,14 +39,7 @@ def inject(fault: str, n: int) -> None:
         return count["n"] == n
 
     if fault == "kill_in_rollout":
-        real = llmrl.training.loop.rollout
-
-        def rollout(*a, **k):
-            if hit():
-                die()
-            return real(*a, **k)
-
-        llmrl.training.loop.rollout = rollout
+        hooks.on("before_rollout", lambda **info: die() if hit() else None)
     elif fault in ("kill_in_save", "enospc_in_save"):
         real_save = torch.save
 
@@ -58,20 +52,12 @@ def inject(fault: str, n: int) -> None:
 
         llmrl.checkpoint.torch.save = save
     elif fault == "kill_after_save":
-        real_ckpt = llmrl.training.loop.save_checkpoint
-
-        def save_checkpoint(*a, **k):
-            path = real_ckpt(*a, **k)
-            if hit():
-                die()
-            return path
-
-        llmrl.training.loop.save_checkpoint = save_checkpoint
+        hooks.on("after_checkpoint", lambda **info: die() if hit() else None)
     elif fault == "kill_in_log":
         real_append = llmrl.logger.RunLogger._append
 
         def _append(self, file, rows):
-            if file == llmrl.logger.METRICS and hit():
+            if file == METRICS and hit():
                 with open(self.run_dir / file, "a") as f:
                     f.write('{"step": 99, "reward/me')
                     f.flush()
@@ -80,13 +66,7 @@ def inject(fault: str, n: int) -> None:
 
         llmrl.logger.RunLogger._append = _append
     elif fault == "slow_rollout":
-        real_rollout = llmrl.training.loop.rollout
-
-        def slow(*a, **k):
-            time.sleep(1.0)
-            return real_rollout(*a, **k)
-
-        llmrl.training.loop.rollout = slow
+        hooks.on("before_rollout", lambda **info: time.sleep(1.0))
     elif fault != "none":
         raise SystemExit(f"unknown fault {fault}")
 

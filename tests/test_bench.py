@@ -11,7 +11,7 @@ import yaml
 
 from llmrl import bench
 from llmrl.bench import (
-    CPU_BENCH, add_bench_parser, child_values, cmd_bench, drop_warmup, flop_count, flop_limit_seconds, median,
+    add_bench_parser, cpu_bench, child_values, cmd_bench, drop_warmup, flop_count, flop_limit_seconds, median,
     split_steps, summarize,
 )
 from llmrl.errors import ConfigError
@@ -43,7 +43,7 @@ def test_warmup_and_median():
 
 
 def test_summarize():
-    cfg = {**CPU_BENCH, "batch_size": 2, "group_size": 2}  # 4 completions per step
+    cfg = {**cpu_bench(), "batch_size": 2, "group_size": 2}  # 4 completions per step
     steps = [
         {"step_s": 4.0, "rollout_s": 3.0, "update_s": 1.0, "completion_tokens": 8, "prompt_tokens": [10, 20]},
         {"step_s": 2.0, "rollout_s": 1.0, "update_s": 1.0, "completion_tokens": 16, "prompt_tokens": [10, 20]},
@@ -58,13 +58,17 @@ def test_summarize():
     assert s["peak_mb"] == 500.0
 
 
-def test_builtin_config_mirrors_yaml():
-    """The config shipped in bench.py is configs/cpu-bench.yaml."""
-    assert CPU_BENCH == yaml.safe_load((REPO / "configs" / "cpu-bench.yaml").read_text())
+def test_bench_config_is_specs_cpu_bench():
+    """bench reads configs/cpu-bench.yaml: SPEC's cpu-bench settings."""
+    c = cpu_bench()
+    assert (c["model"], c["task"], c["algo"], c["batch_size"], c["group_size"], c["max_new_tokens"]) == (
+        "smollm2-135m-instruct", "format_copy", "grpo", 4, 4, 24)
+    assert (c["ppo_epochs"], c["minibatch_size"], c["grad_accum_steps"], c["clip_eps"], c["kl_coef"], c["warmup_steps"]) == (
+        2, 8, 2, 0.2, 0.05, 10)
 
 
 def test_child_values_turn_off_eval_and_logging():
-    v = child_values(CPU_BENCH, 2, group_size=8)
+    v = child_values(cpu_bench(), 2, group_size=8)
     assert (v["steps"], v["group_size"], v["eval_n"], v["sample_log_interval"], v["wandb"]) == (2, 8, 0, 0, False)
 
 
@@ -96,7 +100,7 @@ def test_trl_missing_is_one_clear_line(monkeypatch, capsys):
 def one_thread_config(tmp_path) -> str:
     """cpu-bench with one torch thread: on a small, busy machine the tiny model runs much faster so."""
     path = tmp_path / "cpu-bench-1t.yaml"
-    path.write_text(yaml.safe_dump({**CPU_BENCH, "num_threads": 1}))
+    path.write_text(yaml.safe_dump({**cpu_bench(), "num_threads": 1}))
     return str(path)
 
 
@@ -122,7 +126,7 @@ def test_bench_no_trl_end_to_end(tiny_model_dir, one_thread_config, tmp_path, ca
         assert math.isfinite(s[key]) and s[key] > 0, key
     assert s["measured_steps"] == 1 and len(s["warmup"]) == 1
     assert s["step_s"] == pytest.approx(s["rollout_s"] + s["update_s"])
-    assert len(s["steps"][0]["prompt_tokens"]) == CPU_BENCH["batch_size"]
+    assert len(s["steps"][0]["prompt_tokens"]) == cpu_bench()["batch_size"]
     assert (tmp_path / "work" / "round1-llmrl" / "run" / "metrics.jsonl").exists()
 
 
@@ -133,15 +137,15 @@ def test_trl_settings_map_one_generation_to_one_rl_step():
 
     from llmrl.bench_trl import trl_settings
 
-    args = GRPOConfig(output_dir="unused", use_cpu=True, **trl_settings({**CPU_BENCH, "top_k": 0, "repetition_penalty": 1.0,
+    args = GRPOConfig(output_dir="unused", use_cpu=True, **trl_settings({**cpu_bench(), "top_k": 0, "repetition_penalty": 1.0,
                                                                        "adam_beta1": 0.9, "adam_beta2": 0.95,
                                                                        "weight_decay": 0.0}))
-    assert args.generation_batch_size == CPU_BENCH["batch_size"] * CPU_BENCH["group_size"] == 16
+    assert args.generation_batch_size == cpu_bench()["batch_size"] * cpu_bench()["group_size"] == 16
     assert args.steps_per_generation == args.gradient_accumulation_steps == 2
-    assert args.num_iterations == 2 and args.max_steps == 2 * CPU_BENCH["steps"]
+    assert args.num_iterations == 2 and args.max_steps == 2 * cpu_bench()["steps"]
     assert args.loss_type == "grpo" and args.beta == 0.05 and args.epsilon == 0.2 and not args.shuffle_dataset
     with pytest.raises(ValueError):
-        trl_settings({**CPU_BENCH, "group_size": 8})
+        trl_settings({**cpu_bench(), "group_size": 8})
 
 
 @pytest.mark.skipif(not HAS_TRL, reason="TRL not installed (pip install 'llmrl[bench]')")
@@ -152,7 +156,7 @@ def test_trl_side_one_step(tiny_model_dir, one_thread_config, tmp_path):
     (step,) = r["steps"]
     assert step["step_s"] > step["rollout_s"] > step["generate_s"] > 0
     assert step["update_s"] > 0 and step["completion_tokens"] > 0
-    assert len(step["prompt_tokens"]) == CPU_BENCH["batch_size"]
+    assert len(step["prompt_tokens"]) == cpu_bench()["batch_size"]
     assert r["gradient_checkpointing"] is False  # like llmrl's cpu-bench
     r = bench.run_side("trl_checkpointing", child_values(values, 1), tmp_path / "trl_ckpt", quiet=True)
     assert r["gradient_checkpointing"] is True and len(r["steps"]) == 1  # TRL's own default

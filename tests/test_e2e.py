@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,3 +97,32 @@ def test_format_copy_runs_end_to_end(tmp_path, tiny_model_dir):
     assert {"reward/has_tag", "reward/strict", "reward/exact"} <= set(rec)
     ev = [r for r in read_jsonl(out / "metrics.jsonl") if "eval/exact_match" in r]
     assert {"eval/has_tag", "eval/strict"} <= set(ev[0])
+
+
+def test_every_variant_trains_end_to_end(tmp_path, tiny_model_dir):
+    """One run with every non-default switch: finite metrics, the new reward terms and counters logged."""
+    out = tmp_path / "run"
+    cli(*tiny_args(str(tiny_model_dir), out, "grpo", steps=2, adv_estimator="rloo", loss_agg="token_mean",
+                   ratio_level="sequence", clip_eps_low=0.2, clip_eps_high=0.28, kl_estimator="k2", kl_in_reward="true",
+                   overlong_buffer=2, overlong_filter="true", dynamic_sampling="true", dynamic_sampling_rounds=2))
+    train = [r for r in read_jsonl(out / "metrics.jsonl") if "reward/mean" in r]
+    assert len(train) == 2
+    for r in train:
+        assert {"reward/overlong", "reward/kl_penalty", "train/clip_frac_low", "train/clip_frac_high",
+                "rollout/sampling_rounds", "rollout/groups_flat_kept"} <= set(r)
+        assert r["train/kl"] == 0.0  # the KL went into the reward, not the loss
+        # equal-reward groups fill the batch only after every round was used
+        assert r["rollout/groups_flat_kept"] == 0 or r["rollout/sampling_rounds"] == 2
+        assert all(v is None or math.isfinite(v) for v in r.values() if isinstance(v, float))
+    assert train[-1]["rollout/completions"] == 2 * 2 * 3  # B·G per step whatever the rounds
+
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+def test_plain_reward_function_task_from_a_file(tmp_path, tiny_model_dir):
+    out = tmp_path / "run"
+    cli(*tiny_args(str(tiny_model_dir), out, "reinforce", steps=1, task=f"{EXAMPLES / 'brevity_reward.py'}:reward",
+                   prompts=str(EXAMPLES / "brevity_prompts.jsonl")))
+    [train] = [r for r in read_jsonl(out / "metrics.jsonl") if "reward/mean" in r]
+    assert "reward/reward" in train and "eval/scored" in read_jsonl(out / "metrics.jsonl")[-1]

@@ -3,7 +3,7 @@
 import torch
 
 from llmrl.models.loading import find_embedded_gguf, load_base_model
-from llmrl.rollout.sampler import encode_prompts
+from llmrl.rollout.prompts import encode_prompts
 from llmrl.tasks.format_copy import FormatCopyTask
 
 

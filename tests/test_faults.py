@@ -15,11 +15,13 @@ import pytest
 import torch
 
 import llmrl.training.loop as loop
+from llmrl.algorithms.losses import LOSSES
 from helpers import TESTS, assert_same_run, cli, lora_tensors, read_jsonl, run_cli, tiny_args, train_records
 from llmrl.checkpoint import MANIFEST, _write_manifest, latest_checkpoint, load_checkpoint, verify_checkpoint
-from llmrl.config import load_config
+from llmrl.config import load_config, resolve
 from llmrl.errors import ConfigError, DataError, RunStopped
 from llmrl.tasks.math_hard import MathHardTask
+from llmrl.training.run import build_policy
 
 STEPS = 4
 
@@ -135,7 +137,7 @@ def test_pickled_code_in_a_checkpoint_is_refused(tmp_path, reference):
     (ckpt / MANIFEST).unlink()
     _write_manifest(ckpt)  # even a checkpoint that verifies is never unpickled as code
     cfg = load_config(reference / "config.yaml")
-    model, _, _ = loop.build_policy(cfg)
+    model, _ = build_policy(cfg, resolve(cfg))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     with pytest.raises(ConfigError, match="optimizer.pt"):
         load_checkpoint(ckpt, model, opt, torch.Generator())
@@ -176,7 +178,7 @@ def in_process(tiny_model_dir, out, **overrides):
 
 
 def test_injected_nan_skips_updates_and_keeps_parameters_finite(tmp_path, tiny_model_dir, monkeypatch):
-    real = loop.LOSSES["grpo"]
+    real = LOSSES["grpo"]
     calls = {"n": 0}
 
     def sometimes_nan(*a, **k):
@@ -184,7 +186,7 @@ def test_injected_nan_skips_updates_and_keeps_parameters_finite(tmp_path, tiny_m
         pg, stats = real(*a, **k)
         return (pg * float("nan") if calls["n"] in (1, 2, 5) else pg), stats
 
-    monkeypatch.setitem(loop.LOSSES, "grpo", sometimes_nan)
+    monkeypatch.setitem(LOSSES, "grpo", sometimes_nan)
     result = loop.train(in_process(tiny_model_dir, tmp_path / "run", eval_n=0))
     records = train_records(tmp_path / "run")
     assert records[-1]["train/skipped_updates"] == 3  # minibatches 1, 2 and 5 each spoiled one optimizer step
@@ -193,7 +195,7 @@ def test_injected_nan_skips_updates_and_keeps_parameters_finite(tmp_path, tiny_m
 
 
 def test_repeated_nan_stops_the_run_with_a_checkpoint(tmp_path, tiny_model_dir, monkeypatch):
-    monkeypatch.setitem(loop.LOSSES, "grpo", lambda *a, **k: (torch.tensor(float("nan")), {"clip_frac": 0.0}))
+    monkeypatch.setitem(LOSSES, "grpo", lambda *a, **k: (torch.tensor(float("nan")), {"clip_frac": 0.0}))
     out = tmp_path / "run"
     with pytest.raises(RunStopped, match="non-finite updates in a row"):
         loop.train(in_process(tiny_model_dir, out, eval_n=0, max_bad_steps=3, save_interval=100))
@@ -243,3 +245,19 @@ def test_hostile_math_rows_are_skipped_and_counted(tmp_path):
     f.write_text(lines[1] + "\n" + lines[3] + "\n")
     with pytest.raises(DataError, match="no level-5 problems with numeric answers"):
         MathHardTask(data=str(f))
+
+
+def test_a_reward_function_that_mostly_raises_is_counted_in_training_and_eval(tmp_path, tiny_model_dir):
+    """Exit 0, no traceback; the raises score 0 and are counted in reward/errors and eval/reward_errors."""
+    out = tmp_path / "run"
+    p = run_cli(*tiny_args(tiny_model_dir, out, "grpo", steps=2, task=f"{TESTS / 'raising_reward.py'}:reward",
+                           prompts=str(TESTS.parent / "examples" / "brevity_prompts.jsonl"), eval_n=8))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+    records = read_jsonl(out / "metrics.jsonl")
+    train = [r for r in records if "reward/mean" in r]
+    evals = [r for r in records if "eval/reward" in r]
+    assert [r["step"] for r in evals] == [0, 1, 2] and all("eval/scored" in r for r in evals)
+    assert train[-1]["reward/errors"] > 2 * 6 / 2  # most of the 12 completions raised
+    assert sum(r["eval/reward_errors"] for r in evals) > 3 * 8 / 2
+    assert all(0 <= r["eval/reward_errors"] <= 8 for r in evals)

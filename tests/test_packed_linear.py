@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM
 from llmrl.models import packed_linear
 from llmrl.models.loading import add_lora
 from llmrl.models.packed_linear import install_packed_linears, onednn_available, release_temporary_packs, uninstall_packed_linears
-from llmrl.rollout.sampler import merged_lora, sequence_logprobs
+from llmrl.models.lora import merged_lora
+from llmrl.models.scoring import sequence_logprobs
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN packed linear")
 

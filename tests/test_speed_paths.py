@@ -2,6 +2,7 @@
 sampler's logits vs a recomputation, LoRA merged vs unmerged while sampling, keyed sampling that does
 not depend on the batch, with pad == eos, truncated completions and different prompt lengths."""
 
+import contextlib
 import math
 from collections import Counter
 
@@ -10,7 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llmrl.models.loading import add_lora
-from llmrl.rollout.sampler import KeyedSampler, batched_logprobs, eos_ids, generation_config, rollout
+from llmrl.models.scoring import chunked_logprobs
+from llmrl.rollout import HFEngine, Sampling, add_logprobs
+from llmrl.rollout.keyed import KeyedSampler
 
 MESSAGES = [
     [{"role": "user", "content": "Hi."}],
@@ -33,13 +36,28 @@ def policy(tiny_model_dir):
     return model, tok
 
 
-def sample(model, tok, messages, extra_eos=(), **kw):
-    eos = eos_ids(model, tok) + list(extra_eos)
-    cfg = generation_config(tok, eos, do_sample=False, temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0,
-                            min_new_tokens=1, max_new_tokens=8)
-    args = dict(group_size=3, gen_config=cfg, max_prompt_tokens=64, seed=11, with_ref=False, chunk=4,
-                temperature=0.9, top_p=0.95, top_k=0)
-    return rollout(model, tok, messages, **{**args, **kw})
+@contextlib.contextmanager
+def stopping_also_at(model, extra_eos):
+    """The model's generation config ends completions at `extra_eos` too, inside the block."""
+    config = model.generation_config
+    before = config.eos_token_id
+    config.eos_token_id = [before, *extra_eos] if extra_eos else before
+    try:
+        yield
+    finally:
+        config.eos_token_id = before
+
+
+def sample(model, tok, messages, extra_eos=(), *, seed=11, first_prompt=0, logp_from_sampler=True, merge_lora=True,
+           shared_prefix=True, with_ref=False):
+    """G = 3 completions per prompt (T 0.9, top-p 0.95, 1-8 tokens) with log-probs, as a training step draws them."""
+    sampling = Sampling(temperature=0.9, top_p=0.95, top_k=0, repetition_penalty=1.0, min_new_tokens=1,
+                        max_new_tokens=8, max_prompt_tokens=64)
+    engine = HFEngine(tok, sampling, eval_batch_size=8, merge_lora=merge_lora, sampler_logp=logp_from_sampler)
+    engine.sync(model)
+    with stopping_also_at(model, extra_eos):
+        r = engine.generate(messages, group_size=3, seed=seed, first_prompt=first_prompt)
+    return add_logprobs(model, r, chunk=4, group_size=3, shared_prefix=shared_prefix, with_ref=with_ref)
 
 
 def test_sampler_logprobs_equal_a_recomputation(policy):
@@ -48,7 +66,7 @@ def test_sampler_logprobs_equal_a_recomputation(policy):
     stop = int(first.input_ids[0, first.prompt_len + 3])  # a second EOS id (pad == eos == 2 stays one)
     fast = sample(model, tok, MESSAGES, extra_eos=[stop], logp_from_sampler=True, merge_lora=False)
     assert fast.ended.any() and not fast.ended.all(), "want both ended and truncated completions"
-    again = batched_logprobs(model.eval(), fast.input_ids, fast.attention_mask, fast.prompt_len, 4)[0] * fast.completion_mask
+    again = chunked_logprobs(model.eval(), fast.input_ids, fast.attention_mask, fast.prompt_len, 4)[0] * fast.completion_mask
     assert torch.allclose(fast.logp_old, again, atol=1e-5)
     plain = sample(model, tok, MESSAGES, extra_eos=[stop], logp_from_sampler=False, merge_lora=False)
     assert torch.equal(plain.input_ids, fast.input_ids)
@@ -101,7 +119,7 @@ def test_shared_prefix_forward_equals_the_plain_forward_with_gradients(policy):
     """The group's prompt once, its completions attending to its cache: same log-probs, entropies and
     LoRA gradients as the plain forward (rows shuffled so groups interleave; prompts of different
     lengths; ended and truncated rows; pad == eos)."""
-    from llmrl.rollout.sampler import sequence_logprobs, shared_prefix_logprobs
+    from llmrl.models.scoring import sequence_logprobs, shared_prefix_logprobs
 
     model, tok = policy
     first = sample(model, tok, MESSAGES)
@@ -152,14 +170,14 @@ def test_fast_and_plain_paths_train_alike(tmp_path, tiny_model_dir):
 @pytest.mark.parametrize("aggregate", ["seq_mean_token_mean", "token_mean"])
 def test_fused_accumulation_window_equals_separate_minibatches(policy, aggregate):
     """One forward for the minibatches of an optimizer step gives the same update as one per minibatch."""
-    from llmrl.algorithms.losses import LOSSES, LossSettings
-    from llmrl.training.update import policy_update
+    from llmrl.algorithms.losses import LossSettings
+    from llmrl.training.update import UpdateBatch, UpdateSettings, policy_update
 
     model, tok = policy
     r = sample(model, tok, MESSAGES, with_ref=True)
-    batch = {"input_ids": r.input_ids, "attention_mask": r.attention_mask, "completion_mask": r.completion_mask,
-             "logp_old": r.logp_old, "logp_ref": r.logp_ref, "adv": torch.linspace(-1, 1, 9),
-             "group": torch.arange(9) // 3}
+    batch = UpdateBatch(input_ids=r.input_ids, attention_mask=r.attention_mask, completion_mask=r.completion_mask,
+                        logp_old=r.logp_old, logp_ref=r.logp_ref, adv=torch.linspace(-1, 1, 9),
+                        group=torch.arange(9) // 3, prompt_len=r.prompt_len, lengths=r.completion_lens)
     start = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
     results = {}
     for fuse in (False, True):
@@ -170,18 +188,18 @@ def test_fused_accumulation_window_equals_separate_minibatches(policy, aggregate
         model.zero_grad(set_to_none=True)  # no gradient left over from other tests
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.SGD(params, lr=0.5)
-        stats = policy_update(model, opt, batch, prompt_len=r.prompt_len, loss_fn=LOSSES["grpo"], ppo_epochs=2,
-                              minibatch_size=2, grad_accum_steps=3, loss_settings=LossSettings(aggregate=aggregate),
-                              kl_coef=0.1, max_grad_norm=1e9, generator=torch.Generator().manual_seed(0),
-                              shared_prefix=fuse, fuse_accumulation=fuse)
+        settings = UpdateSettings(algo="grpo", loss=LossSettings(aggregate=aggregate), ppo_epochs=2, minibatch_size=2,
+                                  grad_accum_steps=3, kl_coef=0.1, kl_estimator="k3", max_grad_norm=1e9,
+                                  shared_prefix=fuse, fuse_accumulation=fuse)
+        stats = policy_update(model, opt, batch, settings, torch.Generator().manual_seed(0))
         results[fuse] = ({k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}, stats)
     (w0, s0), (w1, s1) = results[False], results[True]
     # 10 minibatches over two epochs: windows of 3, 3, 3, 1 (the second holds rows of both epochs)
-    assert s0["optimizer_steps"] == s1["optimizer_steps"] == 4
+    assert s0.optimizer_steps == s1.optimizer_steps == 4
     assert max((w0[k] - w1[k]).abs().max().item() for k in w0) <= 1e-5
     assert max((w0[k] - start[k]).abs().max().item() for k in w0) > 1e-3  # the update did move the weights
     for key in ("loss", "kl", "grad_norm"):
-        assert s1[key] == pytest.approx(s0[key], abs=1e-5)
+        assert getattr(s1, key) == pytest.approx(getattr(s0, key), abs=1e-5)
 
 
 @pytest.mark.parametrize("top_p,top_k", [(0.95, 0), (0.9, 20), (1.0, 0)])

@@ -144,3 +144,27 @@ def test_math_fixture_filtering_and_eval():
     assert m == {"boxed_exact": 0.5, "relaxed_exact": 1.0, "boxed_rate": 0.5}
     batch = task.sample_train_batch(6)
     assert {e.answer for e in batch} <= {r["gold"] for r in task.train_rows}
+
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+def test_registered_reward_function_and_its_errors(monkeypatch):
+    from llmrl.errors import ConfigError
+    from llmrl.tasks import make_task, register_reward
+    from llmrl.tasks.custom import REWARD_FUNCTIONS
+
+    def shout(prompt, completion, keyword="", **meta):
+        return None if not completion else float(completion.isupper())
+
+    monkeypatch.setitem(REWARD_FUNCTIONS, "shout", None)  # the registry loses "shout" again after the test
+    assert register_reward("shout", prompts=str(EXAMPLES / "brevity_prompts.jsonl"))(shout) is shout
+
+    task = make_task("shout", seed=0)
+    ex = task.eval_examples(8)[6]
+    assert ex.messages[0] == {"role": "system", "content": "Answer in one word."} and ex.meta == {"keyword": "cold"}
+    assert task.reward(ex, "COLD").total == 1.0 and task.reward(ex, "").counts == {"unscored": 1}
+    with pytest.raises(ConfigError, match="--prompts"):
+        make_task(f"{EXAMPLES / 'brevity_reward.py'}:reward", seed=0)
+    with pytest.raises(ConfigError, match="has no nothing"):
+        make_task(f"{EXAMPLES / 'brevity_reward.py'}:nothing", seed=0)

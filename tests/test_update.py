@@ -5,11 +5,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from llmrl.algorithms.losses import LossSettings, grpo_loss, reinforce_loss
 from llmrl.algorithms.core import masked_mean_rows
+from llmrl.algorithms.losses import LossSettings
 from llmrl.training.update import (
+    UpdateBatch,
+    UpdateSettings,
+    UpdateStats,
     accumulation_windows,
-    iter_minibatches,
     policy_update,
     trim_to_completions,
     warmup_factor,
@@ -29,36 +31,24 @@ class BigramLM(torch.nn.Module):
         return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
 
 
-def make_batch(n: int = 6, prompt_len: int = 2, gen: int = 3):
+def make_batch(n: int = 6, prompt_len: int = 2, gen: int = 3) -> UpdateBatch:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 6, (n, prompt_len + gen), generator=g)
     mask = torch.zeros(n, prompt_len + gen - 1)
     mask[:, prompt_len - 1 :] = 1
     mask[0, -1] = 0  # one shorter completion
-    return {
-        "input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_mask": mask,
-        "logp_old": torch.zeros(n, prompt_len + gen - 1), "logp_ref": torch.zeros(n, prompt_len + gen - 1),
-        "adv": torch.linspace(-1, 1, n),
-    }
-
-
-def run(model, batch, opt, *, loss_fn=reinforce_loss, epochs=1, mb=2, accum=1, kl=0.0, seed=0):
-    return policy_update(
-        model, opt, batch, prompt_len=2, loss_fn=loss_fn, ppo_epochs=epochs, minibatch_size=mb,
-        grad_accum_steps=accum, loss_settings=LossSettings(), kl_coef=kl, max_grad_norm=1e9, generator=torch.Generator().manual_seed(seed),
+    return UpdateBatch(
+        input_ids=ids, attention_mask=torch.ones_like(ids), completion_mask=mask,
+        logp_old=torch.zeros(n, prompt_len + gen - 1), logp_ref=torch.zeros(n, prompt_len + gen - 1),
+        adv=torch.linspace(-1, 1, n), group=torch.arange(n), prompt_len=prompt_len, lengths=mask.sum(1),
     )
 
 
-def test_minibatches_slice_every_field_with_the_same_seeded_permutation():
-    batch = {"a": torch.arange(7), "b": torch.arange(7) * 10, "c": torch.arange(14).view(7, 2)}
-    mbs = list(iter_minibatches(batch, 3, torch.Generator().manual_seed(0)))
-    assert [len(m["a"]) for m in mbs] == [3, 3, 1]  # the remainder is a smaller minibatch
-    seen = torch.cat([m["a"] for m in mbs])
-    assert sorted(seen.tolist()) == list(range(7)) and seen.tolist() != list(range(7))
-    for m in mbs:
-        assert torch.equal(m["b"], m["a"] * 10) and torch.equal(m["c"][:, 0], m["a"] * 2)
-    again = list(iter_minibatches(batch, 3, torch.Generator().manual_seed(0)))
-    assert torch.equal(torch.cat([m["a"] for m in again]), seen)
+def run(model, batch, opt, *, algo="reinforce", epochs=1, mb=2, accum=1, kl=0.0, seed=0) -> UpdateStats:
+    batch.lengths = batch.completion_mask.sum(1)  # a test may have edited the mask
+    settings = UpdateSettings(algo=algo, loss=LossSettings(), ppo_epochs=epochs, minibatch_size=mb, grad_accum_steps=accum,
+                              kl_coef=kl, kl_estimator="k3", max_grad_norm=1e9)
+    return policy_update(model, opt, batch, settings, torch.Generator().manual_seed(seed))
 
 
 def test_trim_to_completions_drops_unscored_tail():
@@ -80,10 +70,10 @@ def test_optimizer_steps_with_accumulation_remainder():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     # 3 minibatches per epoch, 6 in all, accumulated across epochs as the starter: windows 2 + 2 + 2
     stats = run(model, make_batch(n=6), opt, mb=2, accum=2, epochs=2)
-    assert stats["optimizer_steps"] == 3 and stats["skipped_updates"] == 0 and stats["empty_minibatches"] == 0
+    assert stats.optimizer_steps == 3 and stats.skipped_updates == 0 and stats.empty_minibatches == 0
     # 5 minibatches per epoch (the last of one row), 15 in all, windows of 4: 4 + 4 + 4 + a flushed 3
     stats = run(BigramLM(), make_batch(n=9), torch.optim.SGD(BigramLM().parameters(), lr=0.1), mb=2, accum=4, epochs=3)
-    assert stats["optimizer_steps"] == 4
+    assert stats.optimizer_steps == 4
 
 
 def test_accumulation_windows_skip_minibatches_without_tokens():
@@ -106,17 +96,17 @@ def test_update_without_completion_tokens_runs_no_forward_and_no_step():
     calls = []
     model.register_forward_hook(lambda *a: calls.append(1))
     batch = make_batch(n=4)
-    batch["completion_mask"].zero_()
+    batch.completion_mask.zero_()
     stats = run(model, batch, opt, mb=2, accum=1, epochs=2)
-    assert stats["optimizer_steps"] == 0 and stats["empty_minibatches"] == 4 and stats["skipped_updates"] == 0
+    assert stats.optimizer_steps == 0 and stats.empty_minibatches == 4 and stats.skipped_updates == 0
     assert calls == [] and torch.equal(model.w.detach(), w0)
     # seed 0 draws minibatches [0, 1] and [3, 2]: the first scores nothing and is skipped
     batch = make_batch(n=4)
-    batch["completion_mask"][[0, 1]] = 0
+    batch.completion_mask[[0, 1]] = 0
     assert torch.randperm(4, generator=torch.Generator().manual_seed(0))[:2].tolist() == [0, 1]
     stats = run(model, batch, opt, mb=2, accum=1, epochs=1, seed=0)
-    assert stats["empty_minibatches"] == 1
-    assert stats["optimizer_steps"] == 1
+    assert stats.empty_minibatches == 1
+    assert stats.optimizer_steps == 1
 
 
 def test_accumulated_gradient_equals_the_full_batch_gradient():
@@ -126,9 +116,9 @@ def test_accumulated_gradient_equals_the_full_batch_gradient():
     run(model, batch, torch.optim.SGD(model.parameters(), lr=1.0), mb=2, accum=3)  # one step over 3 minibatches
 
     ref = BigramLM()
-    logits = ref.w[batch["input_ids"]]
-    logp = torch.log_softmax(logits[:, 1:-1], -1).gather(-1, batch["input_ids"][:, 2:, None]).squeeze(-1)  # [6, 3]
-    pg = -(batch["adv"] * masked_mean_rows(logp, batch["completion_mask"][:, 1:])).mean()
+    logits = ref.w[batch.input_ids]
+    logp = torch.log_softmax(logits[:, 1:-1], -1).gather(-1, batch.input_ids[:, 2:, None]).squeeze(-1)  # [6, 3]
+    pg = -(batch.adv * masked_mean_rows(logp, batch.completion_mask[:, 1:])).mean()
     pg.backward()
     assert torch.allclose(model.w.detach(), w0 - ref.w.grad, atol=1e-6)
 
@@ -137,20 +127,20 @@ def test_first_grpo_epoch_is_on_policy_and_kl_is_zero_at_the_reference():
     batch = make_batch(n=4)
     model = BigramLM()
     with torch.no_grad():
-        logits = model.w[batch["input_ids"]]
-        logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
-    batch["logp_old"] = logp * batch["completion_mask"]
-    batch["logp_ref"] = batch["logp_old"].clone()
-    stats = run(model, batch, torch.optim.SGD(model.parameters(), lr=0.0), loss_fn=grpo_loss, mb=4, kl=0.5)
-    assert stats["clip_frac"] == 0.0 and stats["kl"] == pytest.approx(0.0, abs=1e-7)
+        logits = model.w[batch.input_ids]
+        logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    batch.logp_old = logp * batch.completion_mask
+    batch.logp_ref = batch.logp_old.clone()
+    stats = run(model, batch, torch.optim.SGD(model.parameters(), lr=0.0), algo="grpo", mb=4, kl=0.5)
+    assert stats.clip_frac == 0.0 and stats.kl == pytest.approx(0.0, abs=1e-7)
 
 
 def test_non_finite_loss_skips_the_update_and_keeps_parameters():
     batch = make_batch(n=4)
-    batch["adv"][1] = float("nan")
+    batch.adv[1] = float("nan")
     model = BigramLM()
     w0 = model.w.detach().clone()
     stats = run(model, batch, torch.optim.SGD(model.parameters(), lr=1.0), mb=4, accum=1)
-    assert stats["skipped_updates"] == 1 and stats["optimizer_steps"] == 0
+    assert stats.skipped_updates == 1 and stats.optimizer_steps == 0
     assert torch.equal(model.w.detach(), w0)
     assert model.w.grad is None  # nothing left over for the next step

@@ -33,36 +33,18 @@ from typing import Any
 from llmrl.config import bool_word
 from llmrl.errors import ConfigError
 
-# The cpu-bench config of SPEC.md, mirroring configs/cpu-bench.yaml, so `llmrl bench` works from any directory.
-CPU_BENCH: dict[str, Any] = {
-    "model": "smollm2-135m-instruct",
-    "task": "format_copy",
-    "algo": "grpo",
-    "steps": 40,
-    "seed": 0,
-    "output_dir": "runs/cpu-bench",
-    "batch_size": 4,
-    "group_size": 4,
-    "min_new_tokens": 1,
-    "max_new_tokens": 24,
-    "temperature": 0.8,
-    "top_p": 0.95,
-    "lr": 3.0e-5,
-    "warmup_steps": 10,
-    "ppo_epochs": 2,
-    "minibatch_size": 8,
-    "grad_accum_steps": 2,
-    "clip_eps": 0.2,
-    "kl_coef": 0.05,
-    "max_grad_norm": 0.5,
-    "lora_r": 16,
-    "lora_alpha": 32,
-    "lora_dropout": 0.05,
-    "gradient_checkpointing": False,
-    "eval_interval": 20,
-    "eval_n": 64,
-    "save_interval": 20,
-}
+# The cpu-bench config of SPEC.md: the repository's configs/cpu-bench.yaml (one copy, read at run time).
+CPU_BENCH_YAML = Path(__file__).resolve().parents[2] / "configs" / "cpu-bench.yaml"
+
+
+def cpu_bench() -> dict[str, Any]:
+    """The fields of configs/cpu-bench.yaml."""
+    from llmrl.config import read_yaml
+
+    if not CPU_BENCH_YAML.is_file():
+        raise ConfigError(f"llmrl bench: {CPU_BENCH_YAML} not found (it ships with the repository; "
+                          "install with `pip install -e .` or pass --config FILE)")
+    return read_yaml(CPU_BENCH_YAML)
 
 # --sweep: (group_size, max_new_tokens) pairs; the first is the cpu-bench setting itself
 SWEEP = [(4, 24), (8, 24), (16, 24), (4, 64), (4, 128)]
@@ -193,8 +175,9 @@ def summarize(steps: list[dict[str, Any]], peak_mb: float, n_params: int, cfg: d
 def run_llmrl(values: dict[str, Any]) -> dict[str, Any]:
     """Train with llmrl (`values`: TrainConfig fields); per-step figures from its metrics.jsonl."""
     from llmrl.config import load_config
-    from llmrl.logger import METRICS
-    from llmrl.tasks import make_task
+    from llmrl.rollout.prompts import prompt_length
+    from llmrl.run_files import METRICS
+    from llmrl.tasks import task_from_config
     from llmrl.training.loop import train
 
     cfg = load_config(None, values)
@@ -202,17 +185,12 @@ def run_llmrl(values: dict[str, Any]) -> dict[str, Any]:
     records = [json.loads(line) for line in (Path(cfg.output_dir) / METRICS).read_text().splitlines() if line.strip()]
     records = [r for r in records if "time/rollout_s" in r]
     # the prompts of each step: batch_size draws from the task's seeded RNG, as the loop draws them
-    task = make_task(cfg.task, seed=cfg.seed, math_data=cfg.math_data)
-    tok = result.tokenizer
+    task = task_from_config(cfg)
     n = cfg.batch_size * cfg.group_size
     steps = []
     for r in records:
         prompts = [ex.messages for ex in task.sample_train_batch(cfg.batch_size)]
-        prompt_tokens = [
-            min(len(tok(tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
-                        add_special_tokens=False)["input_ids"]), cfg.max_prompt_tokens)
-            for m in prompts
-        ]
+        prompt_tokens = [min(prompt_length(result.tokenizer, m), cfg.max_prompt_tokens) for m in prompts]
         steps.append({
             "step_s": r["time/rollout_s"] + r["time/update_s"], "rollout_s": r["time/rollout_s"],
             "update_s": r["time/update_s"], "completion_tokens": r["rollout/completion_len"] * n,
@@ -271,7 +249,7 @@ def bench_values(config: str | None, model: str | None) -> tuple[str, dict[str, 
     """(config name, validated TrainConfig fields as a dict) for --config/--model."""
     from llmrl.config import load_config, read_yaml
 
-    base = read_yaml(config) if config else dict(CPU_BENCH)
+    base = read_yaml(config) if config else cpu_bench()
     if model:
         base["model"] = model
     cfg = load_config(None, base)
@@ -342,7 +320,7 @@ def run_bench(model: str | None = None, config: str | None = None, steps: int = 
             "matmul": "fastest of torch.mm and oneDNN packed, 2048x2048 fp32, 2*n^3 FLOP each",
             "num_threads": values["num_threads"] or torch_threads(),
             "n_params": n_params["llmrl"], "n_params_counts": N_PARAMS_NOTE,
-            "settings": {k: values[k] for k in CPU_BENCH if k in values and k not in ("output_dir", "steps")},
+            "settings": {k: values[k] for k in cpu_bench() if k in values and k not in ("output_dir", "steps")},
         }
         for side in sides:
             result[side] = summarize(measured[side], peak[side], n_params[side], values, flops)

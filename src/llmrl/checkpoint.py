@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from llmrl.errors import ConfigError
+from llmrl.run_files import CHECKPOINTS
 
-CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 MANIFEST = "manifest.json"
 

@@ -122,8 +122,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     from llmrl.checkpoint import latest_checkpoint
+    from llmrl.config import resolve
     from llmrl.tasks import task_from_config
-    from llmrl.training.loop import build_policy, run_eval
+    from llmrl.training.run import build_policy, eval_policy
 
     overrides = overrides_from(args)
     adapter: Path | None = Path(args.adapter) if args.adapter else None
@@ -138,7 +139,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise ConfigError(f"--adapter {adapter}: no adapter_config.json there")
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    model, tokenizer, _ = build_policy(cfg)
+    model, tokenizer = build_policy(cfg, resolve(cfg))
     if adapter is not None:
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
@@ -147,9 +148,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     task = task_from_config(cfg)
     if adapter is None:
         with model.disable_adapter():
-            metrics, rows = run_eval(cfg, model, tokenizer, task)
+            metrics, rows = eval_policy(cfg, model, tokenizer, task)
     else:
-        metrics, rows = run_eval(cfg, model, tokenizer, task)
+        metrics, rows = eval_policy(cfg, model, tokenizer, task)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)

@@ -18,6 +18,7 @@ import yaml
 
 from llmrl.errors import ConfigError
 
+ENGINE_NAMES = ("hf",)  # rollout.ENGINES, without importing torch here
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -88,6 +89,7 @@ class TrainConfig:
     dtype: str = doc("auto", "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16 or float16")
     num_threads: int = doc(0, "torch CPU threads (0 = torch's default)")
     dist_timeout: float = doc(600.0, "seconds a rank waits for the others in a collective before the run fails (torchrun)")
+    rollout_engine: str = doc("hf", "rollout engine: hf (Hugging Face generate on the policy)")
     fast: bool = doc(True, "all speed paths on; false: the plain path (recompute old log-probs, unmerged LoRA while sampling)")
     logp_from_sampler: bool = doc(True, "old log-probs from the sampler's own temperature-1 logits (no second forward)")
     merge_lora_sampling: bool = doc(True, "merge LoRA into the base weights while sampling (exact weights restored after)")
@@ -129,15 +131,6 @@ class TrainConfig:
     def rollout_size(self) -> int:
         """Completions per RL step: N = batch_size * group_size."""
         return self.batch_size * self.group_size
-
-    @property
-    def minibatches_per_epoch(self) -> int:
-        return -(-self.rollout_size // self.minibatch_size)  # the last may be smaller
-
-    @property
-    def optimizer_steps_per_rl_step(self) -> int:
-        """When every minibatch has completion tokens: the epochs' minibatches in windows of grad_accum."""
-        return -(-self.ppo_epochs * self.minibatches_per_epoch // self.grad_accum_steps)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -261,6 +254,7 @@ def validate(cfg: TrainConfig) -> None:
     rule(world == 1 or not cfg.dynamic_sampling, "dynamic_sampling", f"is single-process for now (WORLD_SIZE={world})")
     rule(cfg.dist_timeout > 0, "dist_timeout", "must be positive")
     rule(cfg.device == "auto" or cfg.device == "cpu" or cfg.device.startswith("cuda"), "device", "must be auto, cpu, cuda or cuda:N")
+    rule(cfg.rollout_engine in ENGINE_NAMES, "rollout_engine", f"unknown engine (known: {', '.join(ENGINE_NAMES)})")
     rule(cfg.long_prompts in ("truncate", "skip"), "long_prompts", "must be truncate or skip")
     rule(cfg.math_reward in ("seed", "verify"), "math_reward", "must be seed or verify")
     rule(cfg.grade_time_limit > 0, "grade_time_limit", "must be positive")
@@ -305,3 +299,41 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 
 def save_config(cfg: TrainConfig, path: Path) -> None:
     path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a config runs on this machine, resolved once (`resolve`) and passed down: nothing below
+    re-derives a switch from the raw fields. `--fast false` turns every speed path off."""
+
+    device: Any  # torch.device the policy lives on
+    dtype: Any  # torch.dtype of the frozen base weights
+    engine: str  # rollout engine name (rollout.ENGINES)
+    sampler_logp: bool  # old log-probs and entropies from the sampler's own logits (no second forward)
+    merge_lora: bool  # LoRA merged into the base weights while sampling and in eval
+    shared_prefix_scoring: bool  # no-grad old/ref passes run each prompt once for its group
+    shared_prefix_update: bool  # the training forward too (not with gradient checkpointing)
+    fuse_accumulation: bool  # one training forward per optimizer window
+    score_chunk: int  # rows per no-grad scoring forward (a window's rows when fused)
+    hash_dropout: bool  # CPU: vectorised LoRA dropout masks
+    onednn_linear: bool  # CPU: frozen linears through oneDNN with pre-packed weights
+    keep_heap_memory: bool  # CPU: glibc keeps freed memory for reuse
+    gradient_checkpointing: bool
+
+
+def resolve(cfg: TrainConfig) -> Plan:
+    """The Plan of a validated config on this machine (imports torch)."""
+    from llmrl.models.loading import pick_device, pick_dtype
+
+    device = pick_device(cfg.device)
+    cpu = device.type == "cpu"
+    fuse = cfg.fast and (cfg.fuse_accumulation if cfg.fuse_accumulation is not None else cpu)
+    return Plan(
+        device=device, dtype=pick_dtype(cfg.dtype, device), engine=cfg.rollout_engine,
+        sampler_logp=cfg.fast and cfg.logp_from_sampler, merge_lora=cfg.fast and cfg.merge_lora_sampling,
+        shared_prefix_scoring=cfg.fast and cfg.shared_prefix,
+        shared_prefix_update=cfg.fast and cfg.shared_prefix and not cfg.gradient_checkpointing,
+        fuse_accumulation=fuse, score_chunk=cfg.minibatch_size * (cfg.grad_accum_steps if fuse else 1),
+        hash_dropout=cfg.fast and cfg.hash_dropout and cpu, onednn_linear=cfg.fast and cfg.onednn_linear and cpu,
+        keep_heap_memory=cfg.fast and cfg.keep_heap_memory and cpu, gradient_checkpointing=cfg.gradient_checkpointing,
+    )

@@ -14,10 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from llmrl.errors import RunStopped
-
-METRICS = "metrics.jsonl"
-SAMPLES = "samples.jsonl"
-EVAL_SAMPLES = "eval_samples.jsonl"
+from llmrl.run_files import EVAL_SAMPLES, METRICS, SAMPLES, TENSORBOARD
 
 
 def _clean(value: Any) -> Any:
@@ -58,7 +55,7 @@ class RunLogger:
         if use_tensorboard:
             from llmrl.tensorboard_log import TensorBoardLogger
 
-            self.tensorboard = TensorBoardLogger(run_dir / "tensorboard")
+            self.tensorboard = TensorBoardLogger(run_dir / TENSORBOARD)
         if resume_step is not None:
             for file in (METRICS, SAMPLES, EVAL_SAMPLES):
                 truncate_after(run_dir / file, resume_step)

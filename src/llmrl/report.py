@@ -32,13 +32,7 @@ from typing import Any
 import yaml
 
 from llmrl.errors import ConfigError, DataError
-
-CONFIG = "config.yaml"
-METRICS = "metrics.jsonl"
-SAMPLES = "samples.jsonl"
-EVAL_SAMPLES = "eval_samples.jsonl"
-REPORT = "report.html"
-PLOTS = "plots"
+from llmrl.run_files import CONFIG, EVAL_SAMPLES, METRICS, PLOTS, REPORT, SAMPLES
 
 # x-axis choice -> (metric that holds it, axis label, divisor applied to the values)
 X_AXES: dict[str, tuple[str, str, float]] = {

@@ -17,18 +17,18 @@ EPS_STD = 1e-6  # keeps group z-scores finite when the spread is tiny
 LOG_RATIO_CLAMP = 20.0  # exp(±20) is finite in fp32; beyond that the estimate is meaningless anyway
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Log-probability of each next token.
+def logprobs_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each target under its logits: logits [N, T, V], targets [N, T] → [N, T] float32.
+    Uses cross-entropy so no [N, T, V] log-softmax is kept."""
+    n, t, vocab = logits.shape
+    nll = F.cross_entropy(logits.reshape(-1, vocab).float(), targets.reshape(-1), reduction="none")  # [N*T]
+    return -nll.view(n, t)
 
-    logits [N, L, V] (position t predicts token t+1), input_ids [N, L] → [N, L-1] float32.
-    Uses cross-entropy so no [N, L, V] log-softmax is kept.
-    """
-    n, length, vocab = logits.shape
-    targets = input_ids[:, 1:]  # [N, L-1]
-    nll = F.cross_entropy(
-        logits[:, :-1].reshape(-1, vocab).float(), targets.reshape(-1), reduction="none"
-    )  # [N*(L-1)]
-    return -nll.view(n, length - 1)
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each next token: logits [N, L, V] (position t predicts token t+1),
+    input_ids [N, L] → [N, L-1] float32."""
+    return logprobs_of(logits[:, :-1], input_ids[:, 1:])
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:

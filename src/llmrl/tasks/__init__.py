@@ -27,9 +27,9 @@ def make_task(name: str, seed: int, math_data: str | None = None, prompts: str |
     return build_custom(name, seed, prompts)
 
 
-def task_from_config(cfg, rank: int = 0) -> Task:
-    """The task a TrainConfig asks for (seeded by seed + rank)."""
-    return make_task(cfg.task, seed=cfg.seed + rank, math_data=cfg.math_data, prompts=cfg.prompts, reward=cfg.math_reward,
+def task_from_config(cfg) -> Task:
+    """The task a TrainConfig asks for, seeded by cfg.seed (every rank draws the same prompts)."""
+    return make_task(cfg.task, seed=cfg.seed, math_data=cfg.math_data, prompts=cfg.prompts, reward=cfg.math_reward,
                      time_limit=cfg.grade_time_limit, workers=cfg.grade_workers)
 
 

@@ -100,8 +100,14 @@ class FunctionTask(SeededSampling):
         return Reward(total=float(value), components={"reward": float(value)})
 
     def evaluate(self, examples: list[Example], completions: list[str]) -> dict[str, float]:
-        rewards = [self.reward(ex, c) for ex, c in zip(examples, completions, strict=True)]
-        return {"scored": sum(not r.counts for r in rewards) / max(len(rewards), 1)}
+        """The fraction of completions the function scored (a None or a raise is not scored)."""
+        scored = 0
+        for ex, c in zip(examples, completions, strict=True):
+            try:
+                scored += not self.reward(ex, c).counts
+            except Exception:  # noqa: BLE001 - counted in eval/reward_errors by the scoring path
+                pass
+        return {"scored": scored / max(len(examples), 1)}
 
 
 REWARD_FUNCTIONS: dict[str, tuple[RewardFn, str]] = {}

@@ -1,0 +1,119 @@
+"""What rollout engines share: the `Rollout` container, the engine interface, and `add_logprobs`,
+which completes a rollout with its old and reference log-probs (engines generate; they do not score).
+
+    engine.sync(model)                                   before each rollout: sample from exactly this policy
+    engine.generate(messages, group_size, seed, first)   G completions per prompt → Rollout (prompt-major)
+    engine.greedy(messages, max_new_tokens)              one greedy completion per prompt (eval)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from llmrl.models.scoring import chunked_logprobs, inference_mode
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How training completions are drawn (the config's sampling fields)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    repetition_penalty: float
+    min_new_tokens: int
+    max_new_tokens: int
+    max_prompt_tokens: int
+
+
+@dataclass
+class Rollout:
+    """N = B*G completions of one RL step, prompt-major. L = prompt_len + generated length."""
+
+    input_ids: torch.Tensor  # [N, L] left-padded prompt, then completion (padding after EOS)
+    attention_mask: torch.Tensor  # [N, L] 0 on left padding, 1 elsewhere
+    completion_mask: torch.Tensor  # [N, L-1] 1 where logp scores a generated token up to its EOS
+    logp_old: torch.Tensor | None  # [N, L-1] behaviour policy log-probs (0 outside the completion); None
+    #                                until add_logprobs when the engine does not return them
+    logp_ref: torch.Tensor | None  # [N, L-1] reference log-probs, None when kl_coef = 0
+    ended: torch.Tensor  # [N] bool: the completion ended with EOS (False: truncated)
+    prompt_len: int  # width of the left-padded prompt block
+    texts: list[str]  # decoded completions (without EOS)
+    prompts_truncated: int  # prompts cut to max_prompt_tokens
+    entropy: torch.Tensor | None = None  # [N, L-1] sampling-policy token entropies at temperature 1 (0 outside)
+
+    @property
+    def completion_lens(self) -> torch.Tensor:
+        """[N] number of scored tokens per completion (EOS included)."""
+        return self.completion_mask.sum(1)
+
+
+def select_rows(r: Rollout, rows: list[int]) -> Rollout:
+    """The rollout restricted to `rows` (in that order)."""
+    idx = torch.tensor(rows, dtype=torch.long, device=r.input_ids.device)
+    return Rollout(
+        input_ids=r.input_ids[idx], attention_mask=r.attention_mask[idx], completion_mask=r.completion_mask[idx],
+        logp_old=None if r.logp_old is None else r.logp_old[idx], logp_ref=None if r.logp_ref is None else r.logp_ref[idx], ended=r.ended[idx],
+        prompt_len=r.prompt_len, texts=[r.texts[i] for i in rows], prompts_truncated=r.prompts_truncated,
+        entropy=None if r.entropy is None else r.entropy[idx],
+    )
+
+
+def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
+    """Rows of several rollouts in one: prompts left-padded to the widest prompt block, completions
+    right-padded to the longest (padding is masked out: attention 0 on the left, completion mask 0)."""
+    if len(parts) == 1:
+        return parts[0]
+    p = max(r.prompt_len for r in parts)
+    t = max(r.input_ids.shape[1] - r.prompt_len for r in parts)
+
+    def widen(x: torch.Tensor, left: int, right: int, value: float) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (left, right), value=value)
+
+    def pads(r: Rollout) -> tuple[int, int]:
+        return p - r.prompt_len, t - (r.input_ids.shape[1] - r.prompt_len)
+
+    return Rollout(
+        input_ids=torch.cat([widen(r.input_ids, *pads(r), pad_id) for r in parts]),
+        attention_mask=torch.cat([widen(widen(r.attention_mask, pads(r)[0], 0, 0), 0, pads(r)[1], 1) for r in parts]),
+        completion_mask=torch.cat([widen(r.completion_mask, *pads(r), 0) for r in parts]),
+        logp_old=torch.cat([widen(r.logp_old, *pads(r), 0) for r in parts]),
+        logp_ref=None if parts[0].logp_ref is None else torch.cat([widen(r.logp_ref, *pads(r), 0) for r in parts]),
+        ended=torch.cat([r.ended for r in parts]), prompt_len=p, texts=[x for r in parts for x in r.texts],
+        prompts_truncated=sum(r.prompts_truncated for r in parts),
+        entropy=None if parts[0].entropy is None else torch.cat([widen(r.entropy, *pads(r), 0) for r in parts]),
+    )
+
+
+class RolloutEngine(Protocol):
+    def sync(self, model) -> None:
+        """Make the next generate/greedy sample from `model`'s current weights (adapter included)."""
+
+    def generate(self, messages: list[list[dict[str, str]]], *, group_size: int, seed: int,
+                 first_prompt: int = 0) -> Rollout:
+        """group_size completions per prompt, noise keyed by (seed, first_prompt + b, g); logp_old and
+        entropy filled when the engine has the sampling logits, logp_ref None."""
+
+    def greedy(self, messages: list[list[dict[str, str]]], max_new_tokens: int) -> tuple[list[str], int]:
+        """One greedy completion per prompt: (texts, number cut at max_new_tokens)."""
+
+
+def add_logprobs(model, r: Rollout, *, chunk: int, group_size: int, shared_prefix: bool, with_ref: bool) -> Rollout:
+    """Fill r.logp_old (when the engine did not) and r.logp_ref (LoRA disabled, when `with_ref`) with
+    no-grad forwards of `chunk` rows (rounded up to whole groups with `shared_prefix`, where each prompt
+    runs once for its group); mask both, and the entropies, to the completion tokens."""
+    group = torch.arange(r.input_ids.shape[0], device=r.input_ids.device) // group_size if shared_prefix else None
+    chunk = -(-chunk // group_size) * group_size if shared_prefix else chunk  # a chunk holds whole groups
+    with inference_mode(model):  # no LoRA dropout while scoring the behaviour policy
+        if r.logp_old is None:
+            r.logp_old, r.entropy = chunked_logprobs(model, r.input_ids, r.attention_mask, r.prompt_len, chunk, group,
+                                                     with_entropy=True)
+        r.logp_old, r.entropy = r.logp_old * r.completion_mask, r.entropy * r.completion_mask
+        if with_ref:
+            with model.disable_adapter():
+                r.logp_ref = chunked_logprobs(model, r.input_ids, r.attention_mask, r.prompt_len, chunk, group)[0]
+            r.logp_ref = r.logp_ref * r.completion_mask
+    return r

@@ -1,0 +1,128 @@
+"""The `hf` rollout engine: Hugging Face `generate` on the policy itself.
+
+Each prompt is prefilled once and its KV cache repeated for its G completions (prompt-major order:
+completion i belongs to prompt i // G); tokens are drawn by the KeyedSampler (generate itself is
+greedy over its choice); LoRA is merged into the base weights while sampling (`merge_lora`); the
+sampler's raw logits give the old log-probs and entropies without a second forward (`sampler_logp`).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList
+from transformers.cache_utils import DynamicCache
+
+from llmrl.algorithms.core import completion_mask
+from llmrl.models.lora import merged_lora
+from llmrl.models.scoring import inference_mode, position_ids, sampler_logprobs
+from llmrl.rollout.base import Rollout, Sampling
+from llmrl.rollout.keyed import KeyedSampler, mix
+from llmrl.rollout.prompts import decode_completions, encode_prompts, eos_ids
+
+
+def greedy_config(tokenizer, eos: list[int], *, repetition_penalty: float, min_new_tokens: int,
+                  max_new_tokens: int) -> GenerationConfig:
+    """A complete greedy GenerationConfig, so nothing is inherited from the model's own defaults
+    (sampling is the KeyedSampler's job)."""
+    return GenerationConfig(
+        do_sample=False, repetition_penalty=repetition_penalty, min_new_tokens=min_new_tokens,
+        max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, use_cache=True,
+    )
+
+
+@torch.no_grad()
+def generate(
+    model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int, gen_config: GenerationConfig,
+    sampler: KeyedSampler | None = None, with_logits: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`group_size` completions per prompt: [B, P] → (sequences [B*G, P+T] prompt-major, and with
+    `with_logits` the raw (temperature-1, unprocessed) logits of each generated position [B*G, T, V]).
+
+    The prompt minus its last token is prefilled once per prompt; the cache is repeated G times and
+    `generate` continues from it, which gives the same tokens as generating from the repeated prompts.
+    With a `sampler`, tokens are drawn by it; otherwise greedily.
+    """
+    cache = DynamicCache(config=model.config)
+    if prompt_ids.shape[1] > 1:
+        model(
+            input_ids=prompt_ids[:, :-1], attention_mask=prompt_mask[:, :-1],
+            position_ids=position_ids(prompt_mask)[:, :-1], past_key_values=cache, use_cache=True, logits_to_keep=1,
+        )
+        cache.batch_repeat_interleave(group_size)
+    gen_config = copy.copy(gen_config)
+    gen_config.return_dict_in_generate, gen_config.output_logits = True, with_logits
+    out = model.generate(
+        input_ids=prompt_ids.repeat_interleave(group_size, 0),
+        attention_mask=prompt_mask.repeat_interleave(group_size, 0),
+        past_key_values=cache if prompt_ids.shape[1] > 1 else None,
+        generation_config=gen_config,
+        logits_processor=LogitsProcessorList([sampler]) if sampler is not None else None,
+    )
+    logits = torch.stack(out.logits, dim=1) if with_logits else None
+    return out.sequences, logits
+
+
+class HFEngine:
+    """Rollouts and greedy eval with HF generate on the live policy (see the module docstring)."""
+
+    def __init__(self, tokenizer, sampling: Sampling, *, eval_batch_size: int, merge_lora: bool, sampler_logp: bool):
+        self.tokenizer, self.sampling, self.eval_batch_size = tokenizer, sampling, eval_batch_size
+        self.merge_lora, self.sampler_logp = merge_lora, sampler_logp
+        self.model = None
+
+    def sync(self, model) -> None:
+        """HF generates with the policy object itself, so it always samples the current weights."""
+        self.model = model
+
+    def _config(self, **kw) -> GenerationConfig:
+        return greedy_config(self.tokenizer, eos_ids(self.model, self.tokenizer), **kw)
+
+    def generate(self, messages: list[list[dict[str, str]]], *, group_size: int, seed: int,
+                 first_prompt: int = 0) -> Rollout:
+        return self._draw(messages, group_size, seed, first_prompt, self.sampling, with_logits=self.sampler_logp)
+
+    def _draw(self, messages: list[list[dict[str, str]]], group_size: int, seed: int, first_prompt: int,
+              s: Sampling, with_logits: bool) -> Rollout:
+        model = self.model
+        device = next(model.parameters()).device
+        config = self._config(repetition_penalty=s.repetition_penalty, min_new_tokens=s.min_new_tokens,
+                              max_new_tokens=s.max_new_tokens)
+        prompt_ids, prompt_mask, truncated = encode_prompts(self.tokenizer, messages, s.max_prompt_tokens, device)
+        prompt_len = prompt_ids.shape[1]
+        keys = [mix(seed, first_prompt + b, g) for b in range(len(messages)) for g in range(group_size)]
+        sampler = KeyedSampler(keys, prompt_len, s.temperature, s.top_p, s.top_k)
+        with inference_mode(model), merged_lora(model, self.merge_lora):  # no LoRA dropout while sampling
+            sequences, logits = generate(model, prompt_ids, prompt_mask, group_size, config, sampler,
+                                         with_logits=with_logits)  # [N, L], [N, T, V]
+        attention = torch.ones_like(sequences)
+        attention[:, :prompt_len] = prompt_mask.repeat_interleave(group_size, 0)
+        mask, ended = completion_mask(sequences, prompt_len, config.eos_token_id)
+        logp_old = entropy = None
+        if logits is not None:
+            logp_old, entropy = sampler_logprobs(logits, sequences, prompt_len)
+            del logits
+        texts = decode_completions(self.tokenizer, sequences[:, prompt_len:], mask.sum(1), ended)
+        return Rollout(
+            input_ids=sequences, attention_mask=attention, completion_mask=mask, logp_old=logp_old, logp_ref=None,
+            ended=ended, prompt_len=prompt_len, texts=texts, prompts_truncated=truncated, entropy=entropy,
+        )
+
+    @torch.no_grad()
+    def greedy(self, messages: list[list[dict[str, str]]], max_new_tokens: int) -> tuple[list[str], int]:
+        model = self.model
+        device = next(model.parameters()).device
+        config = self._config(repetition_penalty=1.0, min_new_tokens=0, max_new_tokens=max_new_tokens)
+        texts: list[str] = []
+        truncated = 0
+        with inference_mode(model):
+            for i in range(0, len(messages), self.eval_batch_size):
+                ids, mask, _ = encode_prompts(self.tokenizer, messages[i : i + self.eval_batch_size],
+                                              self.sampling.max_prompt_tokens, device)
+                with merged_lora(model, self.merge_lora):
+                    sequences, _ = generate(model, ids, mask, 1, config)
+                cmask, ended = completion_mask(sequences, ids.shape[1], config.eos_token_id)
+                texts += decode_completions(self.tokenizer, sequences[:, ids.shape[1] :], cmask.sum(1), ended)
+                truncated += int((~ended).sum())
+        return texts, truncated

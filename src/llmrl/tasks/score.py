@@ -1,0 +1,46 @@
+"""Scoring completions with a task's reward: the one path used by training and by eval, so a reward
+that raises or is not a finite number is handled the same way everywhere."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from llmrl.errors import RunStopped
+from llmrl.tasks.base import Example, Reward, Task
+
+
+@dataclass
+class Scores:
+    rewards: list[Reward]  # one per completion, in order
+    errors: int  # completions whose reward raised or was not finite (they score 0)
+
+
+def _checked(r: Reward) -> Reward:
+    if not math.isfinite(float(r.total)):
+        raise ValueError(f"reward is {r.total}")
+    return r
+
+
+def score(task: Task, examples: list[Example], texts: list[str], *, strict: bool, where: str) -> Scores:
+    """Score every completion (all at once if the task has `reward_batch`). A reward that raises or is
+    not a finite number scores 0 and is counted; with `strict`, it stops the run instead (`where`
+    names the step or eval for that message)."""
+    if hasattr(task, "reward_batch"):
+        try:
+            rewards = [_checked(r) for r in task.reward_batch(examples, texts)]
+            if len(rewards) == len(texts):
+                return Scores(rewards, 0)
+        except Exception:  # noqa: BLE001 - find which completion fails, one by one
+            pass
+    rewards, errors = [], 0
+    for ex, text in zip(examples, texts, strict=True):
+        try:
+            rewards.append(_checked(task.reward(ex, text)))
+        except Exception as e:  # noqa: BLE001 - a user's reward function may raise anything
+            if strict:
+                raise RunStopped(f"{where}: the reward function raised {type(e).__name__}: {e} (--strict_rewards); "
+                                 "the last checkpoint is intact") from None
+            errors += 1
+            rewards.append(Reward(total=0.0, components={}))
+    return Scores(rewards, errors)

@@ -1,0 +1,251 @@
+"""Setting up a run and what it does between steps: the run directory, resume, the policy and its
+optimizer, loggers, signals; saving checkpoints and evaluating.
+
+Everything the next step needs lives in the model, the optimizer, the task's RNG and the shuffle
+generator (the learning rate is a function of the step), which is exactly what a checkpoint holds,
+so `--resume` continues the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmrl.checkpoint import latest_checkpoint, load_checkpoint, remove_stale_temporaries, save_checkpoint
+from llmrl.config import Plan, TrainConfig, resolve, resume_differences, save_config
+from llmrl.errors import ConfigError, RunStopped
+from llmrl.logger import RunLogger
+from llmrl.models.loading import add_lora, load_base_model
+from llmrl.models.packed_linear import available_memory_bytes, install_packed_linears, onednn_available, packable_linears
+from llmrl.rollout import RolloutEngine, make_engine
+from llmrl.rollout.keyed import mix
+from llmrl.run_files import CONFIG, DATA_REPORT, RUN_FILES
+from llmrl.tasks import Task, task_from_config
+from llmrl.training import hooks
+from llmrl.training.cpu_speed import keep_heap_memory, use_hash_dropout
+from llmrl.training.distributed import Dist, init_distributed
+from llmrl.training.evaluate import evaluate
+
+
+@dataclass
+class Totals:
+    """Counts over the whole run, saved with every checkpoint."""
+
+    optimizer_steps: int = 0
+    skipped_updates: int = 0  # non-finite optimizer windows and empty minibatches
+    empty_minibatches: int = 0
+    bad_in_a_row: int = 0  # non-finite optimizer windows since the last step taken
+    reward_errors: int = 0
+    prompts_skipped: int = 0
+    completions: int = 0
+    train_seconds: float = 0.0
+
+
+@dataclass
+class Run:
+    """One training run: its config and plan, the policy, the task, and the state a checkpoint saves."""
+
+    cfg: TrainConfig
+    plan: Plan
+    dir: Path
+    dist: Dist
+    model: Any  # the LoRA-wrapped policy (PeftModel)
+    tokenizer: Any
+    task: Task
+    engine: RolloutEngine
+    optimizer: torch.optim.Optimizer
+    shuffle: torch.Generator  # minibatch order
+    logger: RunLogger
+    start: int  # the first step to run (1, or the step after the resumed checkpoint)
+    resumed_from: Path | None
+    totals: Totals = field(default_factory=Totals)
+
+    @property
+    def eval_n(self) -> int:
+        return self.cfg.eval_n if self.cfg.eval_n is not None else self.task.eval_n_default
+
+
+def build_policy(cfg: TrainConfig, plan: Plan):
+    """(LoRA-wrapped model, tokenizer) for a config; LoRA init is seeded by cfg.seed."""
+    base, tokenizer = load_base_model(cfg.model, plan.device, plan.dtype)
+    torch.manual_seed(cfg.seed)
+    model = add_lora(base, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules, plan.gradient_checkpointing)
+    if plan.hash_dropout:
+        use_hash_dropout(model)  # same distribution, a vectorised mask
+    if plan.onednn_linear:
+        free = available_memory_bytes()  # the packs copy the frozen weights twice: only if that fits easily
+        if not install_packed_linears(model, None if free is None else free // 2) and onednn_available() and packable_linears(model):
+            print("llmrl: not enough free memory for oneDNN packed weights; frozen linears stay on F.linear",
+                  file=sys.stderr)
+    return model, tokenizer
+
+
+def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse to mix a new run into an old one, check the directory is writable, clear dead temporaries."""
+    existing = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if existing and not resume:
+        if not overwrite:
+            raise ConfigError(f"output_dir {run_dir} already holds a run ({', '.join(existing)}): "
+                              f"use --resume {run_dir}, --overwrite, or another --output_dir")
+        for name in existing:
+            shutil.rmtree(run_dir / name) if (run_dir / name).is_dir() else (run_dir / name).unlink()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"output_dir {run_dir} is not writable: {e.strerror or e}") from None
+    remove_stale_temporaries(run_dir)
+
+
+def find_resume_checkpoint(cfg: TrainConfig, run_dir: Path) -> Path:
+    """The newest good checkpoint of `run_dir`, after checking `cfg` may continue it."""
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        raise ConfigError(f"--resume {run_dir}: no complete checkpoint under {run_dir / 'checkpoints'}")
+    saved = json.loads((checkpoint / "trainer_state.json").read_text())["config"]
+    differ = resume_differences(saved, cfg)
+    if differ:
+        raise ConfigError(f"--resume {run_dir}: config differs from {checkpoint.name}: {', '.join(differ)}")
+    return checkpoint
+
+
+def restore_rank_rng(state: dict[str, Any], cfg: TrainConfig, dist: Dist) -> None:
+    """Give each rank its own saved RNG stream back; if the checkpoint came from another world size,
+    ranks without a saved stream start a fresh one (only LoRA dropout draws from it)."""
+    if not dist.enabled:
+        return
+    saved = state.get("rank_rng", {}).get(f"torch_rank{dist.rank}")
+    if saved is not None and state.get("world_size") == dist.world:
+        torch.set_rng_state(saved)
+        return
+    torch.manual_seed(mix(cfg.seed, 1 + dist.rank, state["step"]))
+    if dist.is_main:
+        print(f"llmrl: resuming a {state.get('world_size', 1)}-process checkpoint on {dist.world} processes: same "
+              "prompts, completions and updates; per-rank dropout RNG streams restart", file=sys.stderr)
+
+
+def setup_run(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Run:
+    """Everything before step 1 (or the resumed step): process group, run directory, task, policy,
+    optimizer, checkpoint state, loggers."""
+    dist = init_distributed(cfg.device, cfg.dist_timeout)
+    plan = resolve(cfg)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    if plan.keep_heap_memory:
+        keep_heap_memory()
+    run_dir = Path(cfg.output_dir)
+    checkpoint = find_resume_checkpoint(cfg, run_dir) if resume else None
+    if dist.is_main:
+        prepare_run_dir(run_dir, resume, overwrite)
+    dist.barrier()
+
+    task = task_from_config(cfg)  # before the model: a bad task or data file fails fast (same prompts on every rank)
+    model, tokenizer = build_policy(cfg, plan)
+    if dist.enabled:
+        torch.manual_seed(mix(cfg.seed, 1 + dist.rank))  # per-rank stream for LoRA dropout
+    report = getattr(task, "data_report", None)
+    if report and dist.is_main:
+        print(f"llmrl: {cfg.task} data: {json.dumps(report)}", file=sys.stderr)
+        (run_dir / DATA_REPORT).write_text(json.dumps(report, indent=1))
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
+    shuffle = torch.Generator().manual_seed(cfg.seed + 1)
+    start, totals = 1, Totals()
+    if checkpoint is not None:
+        state = load_checkpoint(checkpoint, model, optimizer, shuffle)
+        restore_rank_rng(state, cfg, dist)
+        task.load_state_dict(state["task"])
+        start, totals = state["step"] + 1, Totals(**state["totals"])
+    if dist.is_main:
+        save_config(cfg, run_dir / CONFIG)
+    logger = RunLogger(run_dir, cfg.to_dict(), enabled=dist.is_main, use_wandb=cfg.wandb, project=cfg.wandb_project,
+                       name=cfg.run_name, resume_step=start - 1 if checkpoint else None, use_tensorboard=cfg.tensorboard)
+    engine = make_engine(cfg, plan, tokenizer)
+    return Run(cfg=cfg, plan=plan, dir=run_dir, dist=dist, model=model, tokenizer=tokenizer, task=task, engine=engine,
+               optimizer=optimizer, shuffle=shuffle, logger=logger, start=start, resumed_from=checkpoint, totals=totals)
+
+
+def save(run: Run, step: int) -> Path | None:
+    """Checkpoint the run after `step` (rank 0 writes; every rank's dropout RNG goes with it)."""
+    rank_rng = run.dist.gather(torch.get_rng_state())
+    if not run.dist.is_main:
+        return None
+    state = {"task": run.task.state_dict(), "totals": vars(run.totals), "config": run.cfg.to_dict(),
+             "world_size": run.dist.world}
+    extra = {f"torch_rank{r}": t for r, t in enumerate(rank_rng)} if run.dist.enabled else {}
+    try:
+        path = save_checkpoint(run.dir, step, run.model, run.optimizer, state, run.shuffle, keep=run.cfg.keep_checkpoints,
+                               extra_rng=extra)
+    except OSError as e:
+        previous = latest_checkpoint(run.dir, report=lambda _: None)
+        raise RunStopped(f"could not write the checkpoint of step {step}: {e.strerror or e}; "
+                         f"the previous checkpoint ({previous or 'none'}) is intact: fix the cause and "
+                         f"run `llmrl train --resume {run.dir}`") from None
+    hooks.fire("after_checkpoint", path=path)
+    return path
+
+
+def eval_max_new_tokens(cfg: TrainConfig, task: Task) -> int:
+    """eval_max_new_tokens, else max_new_tokens capped by the task's own eval cap (format_copy: 24)."""
+    return cfg.eval_max_new_tokens or min(cfg.max_new_tokens, getattr(task, "eval_max_new_tokens", cfg.max_new_tokens))
+
+
+def eval_policy(cfg: TrainConfig, model, tokenizer, task: Task, engine: RolloutEngine | None = None,
+                dist: Dist | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Greedy eval of `model` on the task's first eval_n examples (`llmrl eval`, and the run's evals)."""
+    engine = engine or make_engine(cfg, resolve(cfg), tokenizer)
+    engine.sync(model)
+    n = cfg.eval_n if cfg.eval_n is not None else task.eval_n_default
+    return evaluate(engine, task, task.eval_examples(n), max_new_tokens=eval_max_new_tokens(cfg, task), dist=dist)
+
+
+def evaluate_and_log(run: Run, step: int) -> dict[str, float]:
+    """Evaluate, log the metrics and completions, refresh the report."""
+    t0 = time.perf_counter()
+    metrics, rows = eval_policy(run.cfg, run.model, run.tokenizer, run.task, run.engine, run.dist)
+    metrics["time/eval_s"] = time.perf_counter() - t0
+    run.logger.log(step, metrics)
+    run.logger.log_samples(step, rows, eval=True)
+    if run.dist.is_main and run.cfg.report:
+        from llmrl.report import refresh_run_report
+
+        refresh_run_report(run.dir)  # never raises: a plotting problem must not stop training
+    return metrics
+
+
+class StopOnSignal:
+    """SIGINT/SIGTERM: the first asks the loop to stop after the current step (it saves a checkpoint);
+    a second exits at once. Checkpoints are atomic, so exiting mid-save loses nothing either."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopOnSignal":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self.handle)
+        return self
+
+    def handle(self, signum: int, frame: Any) -> None:
+        if self.signal is not None:
+            print(f"\nllmrl: second {signal.Signals(signum).name}: exiting now", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        self.signal = signal.Signals(signum).name
+        print(f"\nllmrl: {self.signal}: stopping after this step (again to exit at once)", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)

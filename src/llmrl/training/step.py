@@ -1,0 +1,281 @@
+"""One RL step, `train_step(run, step) -> StepResult`:
+
+    1. examples = task.sample_train_batch(B)              (the task's own seeded RNG)
+    2. rollout  = G completions per prompt (engine) + old/ref log-probs (add_logprobs)
+    3. rewards  = score(task, ...) [N] and their components (+ overlong / KL-in-reward terms;
+                  dynamic_sampling refills groups with equal rewards)
+    4. adv      = clamp(ADVANTAGE_ESTIMATORS[adv_estimator](rewards, G), ±adv_clip) [N]
+    5. update   = policy_update: ppo_epochs × shuffled minibatches, LOSSES[algo], KL_ESTIMATORS[kl_estimator]
+
+With several ranks, every rank draws the same B prompts and samples its contiguous share; rewards,
+lengths and texts are gathered so advantages and logs cover the global batch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from llmrl.algorithms.core import (
+    ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, masked_mean, normalize_advantages, overlong_penalty, zero_spread_fraction,
+)
+from llmrl.config import TrainConfig
+from llmrl.errors import RunStopped
+from llmrl.rollout import Rollout, add_logprobs
+from llmrl.rollout.base import concat_rollouts, select_rows
+from llmrl.rollout.prompts import prompt_length
+from llmrl.tasks import Example, Reward, Task
+from llmrl.tasks.score import score
+from llmrl.training import hooks
+from llmrl.training.run import Run
+from llmrl.training.update import UpdateBatch, UpdateSettings, UpdateStats, policy_update, warmup_factor
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The sampling seed of one step (the same on every rank: each completion's noise is keyed by it,
+    its global prompt index and its place in the group), so resume and reruns draw the same completions."""
+    return (seed * 1_000_003 + step * 7_919) % (2**63)
+
+
+@dataclass
+class Sampled:
+    """This rank's completions of one step (n = its share of N), prompt-major."""
+
+    owners: list[Example]  # [n] the example each completion answers
+    rollout: Rollout
+    rewards: list[Reward]  # [n]
+    counts: dict[str, int] = field(default_factory=dict)  # reward_errors, prompts_skipped, sampling rounds...
+
+
+@dataclass
+class StepResult:
+    metrics: dict[str, Any]  # the step's metrics.jsonl record (without "step")
+    samples: list[dict[str, Any]]  # its samples.jsonl rows (empty when not logged this step)
+
+
+def draw_prompts(task: Task, tokenizer, cfg: TrainConfig, n: int) -> tuple[list[Example], int]:
+    """n prompts; with long_prompts=skip, prompts over max_prompt_tokens are redrawn (counted)."""
+    if cfg.long_prompts == "truncate":
+        return task.sample_train_batch(n), 0
+    kept: list[Example] = []
+    skipped = 0
+    while len(kept) < n:
+        for ex in task.sample_train_batch(n - len(kept)):
+            if prompt_length(tokenizer, ex.messages) <= cfg.max_prompt_tokens:
+                kept.append(ex)
+            else:
+                skipped += 1
+        if skipped > 100 * cfg.batch_size:
+            raise RunStopped(f"long_prompts=skip: {skipped} prompts in a row exceed max_prompt_tokens={cfg.max_prompt_tokens}")
+    return kept, skipped
+
+
+def sample_and_score(run: Run, step: int) -> Sampled:
+    """Steps 1-3: B prompts, G completions each, their rewards.
+
+    With dynamic_sampling (DAPO), groups whose rewards are all equal are set aside and more prompts are
+    sampled (up to dynamic_sampling_rounds rounds) until B groups have a spread; set-aside groups fill
+    whatever is still missing (dynamic sampling is single-process).
+    """
+    cfg, plan, g = run.cfg, run.plan, run.cfg.group_size
+    kept: list[Sampled] = []  # groups with a reward spread
+    flat: list[Sampled] = []  # groups without
+    counts = {"reward_errors": 0, "prompts_skipped": 0}
+    rounds = 0
+    while rounds < (cfg.dynamic_sampling_rounds if cfg.dynamic_sampling else 1) and len(kept) < cfg.batch_size:
+        need = cfg.batch_size - len(kept) if cfg.dynamic_sampling else cfg.batch_size
+        examples, skipped = draw_prompts(run.task, run.tokenizer, cfg, need)
+        first, stop = run.dist.shard(len(examples))
+        examples = examples[first:stop]
+        hooks.fire("before_rollout", step=step)
+        run.engine.sync(run.model)
+        out = run.engine.generate([ex.messages for ex in examples], group_size=g,
+                                  seed=step_seed(cfg.seed, step) + 7_777 * rounds, first_prompt=first)
+        out = add_logprobs(run.model, out, chunk=plan.score_chunk, group_size=g, shared_prefix=plan.shared_prefix_scoring,
+                           with_ref=cfg.kl_coef > 0)
+        owners = [ex for ex in examples for _ in range(g)]  # prompt-major, like the completions
+        scores = score(run.task, owners, out.texts, strict=cfg.strict_rewards, where=f"step {step}")
+        counts["reward_errors"] += scores.errors
+        counts["prompts_skipped"] += skipped
+        rounds += 1
+        if not cfg.dynamic_sampling:
+            return Sampled(owners, out, scores.rewards, counts)
+        for i in range(len(examples)):
+            rows = list(range(i * g, (i + 1) * g))
+            group = Sampled([owners[j] for j in rows], select_rows(out, rows), [scores.rewards[j] for j in rows])
+            (kept if len({r.total for r in group.rewards}) > 1 else flat).append(group)
+    filled = max(0, cfg.batch_size - len(kept))
+    groups = kept[: cfg.batch_size] + flat[:filled]
+    counts |= {"sampling_rounds": rounds, "groups_flat_dropped": len(flat) - filled, "groups_flat_kept": filled}
+    return Sampled([ex for grp in groups for ex in grp.owners],
+                   concat_rollouts([grp.rollout for grp in groups], run.tokenizer.pad_token_id),
+                   [r for grp in groups for r in grp.rewards], counts)
+
+
+def reward_shaping(cfg: TrainConfig, out: Rollout) -> dict[str, torch.Tensor]:
+    """Terms added to the task's rewards, by name ([N] each): DAPO's soft overlong penalty, and the
+    KL penalty −kl_coef · Σ_t KL_t when kl_in_reward."""
+    terms: dict[str, torch.Tensor] = {}
+    if cfg.overlong_buffer > 0:
+        terms["overlong"] = overlong_penalty(out.completion_lens, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+    if cfg.kl_in_reward:
+        per_token = KL_ESTIMATORS[cfg.kl_estimator](out.logp_old, out.logp_ref) * out.completion_mask  # [N, L-1]
+        terms["kl_penalty"] = -cfg.kl_coef * per_token.sum(1).float().cpu()
+    return terms
+
+
+def advantages(cfg: TrainConfig, rewards: torch.Tensor) -> torch.Tensor:
+    """Step 4 over the global batch (every estimator is exact with any number of ranks): [N] → [N]."""
+    adv = ADVANTAGE_ESTIMATORS[cfg.adv_estimator](rewards, cfg.group_size)
+    if cfg.normalize_advantages:
+        adv = normalize_advantages(adv, cfg.group_size)
+    return adv.clamp(-cfg.adv_clip, cfg.adv_clip)
+
+
+def update_settings(run: Run) -> UpdateSettings:
+    cfg = run.cfg
+    return UpdateSettings(
+        algo=cfg.algo, loss=cfg.loss_settings, ppo_epochs=cfg.ppo_epochs, minibatch_size=cfg.minibatch_size,
+        grad_accum_steps=cfg.grad_accum_steps, kl_coef=0.0 if cfg.kl_in_reward else cfg.kl_coef,
+        kl_estimator=cfg.kl_estimator, max_grad_norm=cfg.max_grad_norm, shared_prefix=run.plan.shared_prefix_update,
+        fuse_accumulation=run.plan.fuse_accumulation,
+    )
+
+
+def reward_metrics(rewards: list[Reward], adv: torch.Tensor, rewards_t: torch.Tensor, group_size: int) -> dict[str, float]:
+    n = len(rewards)
+    out = {"reward/mean": rewards_t.mean().item(), "reward/std": rewards_t.std(unbiased=False).item()}
+    for name in dict.fromkeys(k for r in rewards for k in r.components):
+        out[f"reward/{name}"] = sum(r.components.get(name, 0.0) for r in rewards) / n
+    for name in dict.fromkeys(k for r in rewards for k in r.counts):
+        out[f"reward/{name}"] = sum(r.counts.get(name, 0) for r in rewards)
+    out |= {"adv/mean": adv.mean().item(), "adv/std": adv.std(unbiased=False).item(),
+            "adv/min": adv.min().item(), "adv/max": adv.max().item(),
+            "rollout/zero_spread_frac": zero_spread_fraction(rewards_t, group_size)}
+    return out
+
+
+@dataclass
+class Gathered:
+    """Every rank's share of a step, in rank (= global row) order."""
+
+    owners: list[Example]
+    texts: list[str]
+    rewards: list[Reward]
+    rewards_t: torch.Tensor  # [N] task rewards plus shaping terms
+    lengths: torch.Tensor  # [N] completion tokens (EOS included)
+    scored: torch.Tensor  # [N] tokens the loss sees (after overlong_filter)
+    ended: torch.Tensor  # [N] bool
+    counts: dict[str, int]
+    prompts_truncated: int
+    first_row: int  # this rank's first global row
+
+
+def gather(run: Run, s: Sampled, rewards_t: torch.Tensor) -> Gathered:
+    out = s.rollout
+    parts = run.dist.gather({"owners": s.owners, "texts": out.texts, "rewards": s.rewards, "rewards_t": rewards_t,
+                             "lengths": out.completion_lens.cpu(), "scored": out.completion_mask.sum(1).cpu(),
+                             "ended": out.ended.cpu(), "counts": s.counts, "prompts_truncated": out.prompts_truncated})
+    return Gathered(
+        owners=[o for p in parts for o in p["owners"]], texts=[t for p in parts for t in p["texts"]],
+        rewards=[r for p in parts for r in p["rewards"]], rewards_t=torch.cat([p["rewards_t"] for p in parts]),
+        lengths=torch.cat([p["lengths"] for p in parts]), scored=torch.cat([p["scored"] for p in parts]),
+        ended=torch.cat([p["ended"] for p in parts]), counts={k: sum(p["counts"][k] for p in parts) for k in s.counts},
+        prompts_truncated=sum(p["prompts_truncated"] for p in parts),
+        first_row=sum(len(p["rewards"]) for p in parts[: run.dist.rank]),
+    )
+
+
+def step_record(run: Run, g: Gathered, adv: torch.Tensor, stats: UpdateStats, train: dict[str, float],
+                rollout_s: float, update_s: float) -> dict[str, Any]:
+    """Add the step to run.totals and return its metrics.jsonl record (without "step")."""
+    cfg, totals = run.cfg, run.totals
+    totals.bad_in_a_row = stats.trailing_skips if stats.optimizer_steps else totals.bad_in_a_row + stats.skipped_updates
+    totals.optimizer_steps += stats.optimizer_steps
+    totals.skipped_updates += stats.skipped_updates + stats.empty_minibatches
+    totals.empty_minibatches += stats.empty_minibatches
+    counts = dict(g.counts)
+    totals.reward_errors += counts.pop("reward_errors")
+    totals.prompts_skipped += counts.pop("prompts_skipped")
+    totals.completions += len(g.rewards)
+    totals.train_seconds += rollout_s + update_s
+    lengths = g.lengths.float()
+    metrics = {
+        **reward_metrics(g.rewards, adv, g.rewards_t, cfg.group_size),
+        **train,
+        "train/optimizer_steps": totals.optimizer_steps,
+        "train/skipped_updates": totals.skipped_updates,
+        "train/empty_minibatches": totals.empty_minibatches,
+        "reward/errors": totals.reward_errors,
+        "rollout/completion_len": lengths.mean().item(),
+        "rollout/completion_len_max": lengths.max().item(),
+        "rollout/truncated_frac": (~g.ended).float().mean().item(),
+        "rollout/prompts_truncated": g.prompts_truncated,
+        "rollout/prompts_skipped": totals.prompts_skipped,
+        **{f"rollout/{k}": v for k, v in counts.items()},
+        "rollout/completions": totals.completions,
+        "time/rollout_s": rollout_s,
+        "time/update_s": update_s,
+        "time/train_s": totals.train_seconds,
+    }
+    return metrics
+
+
+def shaped_rewards(cfg: TrainConfig, s: Sampled) -> torch.Tensor:
+    """The task rewards plus the shaping terms [n] (each also logged as a reward component); with
+    overlong_filter, truncated completions leave the completion mask (they teach nothing)."""
+    rewards_t = torch.tensor([r.total for r in s.rewards], dtype=torch.float32)
+    for name, values in reward_shaping(cfg, s.rollout).items():
+        rewards_t += values
+        for r, v in zip(s.rewards, values.tolist()):
+            r.components[name] = v
+    if cfg.overlong_filter:
+        s.rollout.completion_mask[~s.rollout.ended] = 0.0
+    return rewards_t
+
+
+def update(run: Run, out: Rollout, g: Gathered, adv: torch.Tensor) -> tuple[UpdateStats, dict[str, float]]:
+    """Step 5 on this rank's rows; returns the stats and the train/ metrics averaged over ranks."""
+    n, device = out.input_ids.shape[0], out.input_ids.device
+    batch = UpdateBatch(
+        input_ids=out.input_ids, attention_mask=out.attention_mask, completion_mask=out.completion_mask,
+        logp_old=out.logp_old, logp_ref=out.logp_ref, adv=adv[g.first_row : g.first_row + n].to(device),
+        group=torch.arange(n, device=device) // run.cfg.group_size, prompt_len=out.prompt_len,
+        lengths=g.scored.to(device), offset=g.first_row,
+    )
+    stats = policy_update(run.model, run.optimizer, batch, update_settings(run), run.shuffle, run.dist)
+    train = stats.logged() | {"train/entropy": masked_mean(out.entropy, out.completion_mask).item()}  # sampling policy, T = 1
+    averaged = (*(f"train/{k}" for k in stats.MEAN_FIELDS), "train/entropy")
+    every_rank = run.dist.gather(train)  # one collective for all the statistics
+    return stats, {k: sum(r[k] for r in every_rank) / run.dist.world if k in averaged else v for k, v in train.items()}
+
+
+def train_step(run: Run, step: int) -> StepResult:
+    """Steps 1-5 of RL step `step` (1-based); returns what to log. Updates run.totals."""
+    cfg = run.cfg
+    for group in run.optimizer.param_groups:  # warmup counted in RL steps, as the starter does
+        group["lr"] = cfg.lr * warmup_factor(step - 1, cfg.warmup_steps)
+
+    # 1-3. sample prompts, complete them G times, score the completions
+    t0 = time.perf_counter()
+    s = sample_and_score(run, step)
+    rewards_t = shaped_rewards(cfg, s)
+    rollout_s = time.perf_counter() - t0
+    g = gather(run, s, rewards_t)
+
+    # 4. advantages, 5. update
+    adv = advantages(cfg, g.rewards_t)
+    t0 = time.perf_counter()
+    stats, train = update(run, s.rollout, g, adv)
+    update_s = time.perf_counter() - t0
+
+    metrics = step_record(run, g, adv, stats, train, rollout_s, update_s)
+    samples = []
+    if cfg.sample_log_interval and step % cfg.sample_log_interval == 0:
+        samples = [{"prompt": ex.messages[-1]["content"], "answer": ex.answer, "completion": text, "reward": r.total,
+                    "components": r.components, "advantage": a, "ended": bool(e)}
+                   for ex, text, r, a, e in zip(g.owners, g.texts, g.rewards, adv.tolist(), g.ended.tolist())]
+    return StepResult(metrics, samples)
