@@ -259,3 +259,18 @@ def test_training_refreshes_its_report_and_writes_tensorboard(tmp_path, tiny_mod
     out = tmp_path / "cmp"
     p = cli("report", str(run), str(run), "--out", str(out), "--x", "completions")
     assert (out / "report.html").exists() and "report.html" in p.stdout
+
+
+def test_report_lists_health_warnings_and_draws_pass_at_k(tmp_path):
+    records = [train_record(1), train_record(2), train_record(3, warnings=["100% of completions were cut " + EVIL])]
+    records += [{"step": s, "eval/pass@1": 0.1 * s, "eval/pass@2": 0.15 * s, "eval/pass@4": 0.2 * s, "eval/maj@4": 0.1}
+                for s in (0, 3)]
+    run = make_run(tmp_path, "sampled", records)
+    r = write_report([run], tmp_path / "out")
+    html = r.html.read_text()
+    assert "<h2>Warnings</h2>" in html and "step 3: 100% of completions were cut" in html
+    assert "<script>" not in html  # the warning text is escaped
+    pass_plots = [p for p in r.plots if p.metric.startswith("pass@k")]
+    assert len(pass_plots) == 1 and pass_plots[0].png.is_file()
+    quiet = make_run(tmp_path, "quiet", [train_record(1)])
+    assert "<h2>Warnings</h2>" not in Path(build_report([quiet], tmp_path / "q")).read_text()

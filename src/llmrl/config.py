@@ -102,11 +102,20 @@ class TrainConfig:
     eval_interval: int = doc(100, "evaluate every this many steps, and at the end (0 = only at the end)")
     eval_n: int | None = doc(None, "eval examples (default: the task's, 64 for format_copy, 512 for math_hard)")
     eval_batch_size: int = doc(32, "prompts per generate call in eval")
+    eval_samples_per_prompt: int = doc(1, "completions per eval prompt: 1 = greedy; k > 1 = sampled with eval_temperature/eval_top_p, logging pass@1, pass@2, …, pass@k and maj@k")
+    eval_temperature: float = doc(1.0, "sampling temperature of sampled eval (eval_samples_per_prompt > 1)")
+    eval_top_p: float = doc(1.0, "nucleus threshold of sampled eval (1 = off)")
     eval_max_new_tokens: int | None = doc(None, "max new tokens in eval (default: max_new_tokens; format_copy at most 24, as the starter)")
     save_interval: int = doc(100, "checkpoint every this many steps, and at the end (0 = only at the end)")
     keep_checkpoints: int = doc(3, "keep the newest this many checkpoints (0 = keep all)")
     max_bad_steps: int = doc(5, "stop (with a checkpoint) after this many consecutive skipped non-finite updates")
     strict_rewards: bool = doc(False, "stop the run when a reward function raises (default: score 0 and count it)")
+    strict_health: bool = doc(False, "stop the run (with a checkpoint) at the first health warning instead of going on")
+    health_steps: int = doc(3, "consecutive steps a truncation / no-spread / constant-reward condition must hold before it warns")
+    health_truncated_frac: float = doc(0.9, "warn when at least this fraction of completions is cut at max_new_tokens")
+    health_zero_spread_frac: float = doc(0.9, "warn when at least this fraction of groups has no reward spread")
+    health_max_kl: float = doc(1.0, "warn when train/kl (per token) exceeds this")
+    health_max_clip_frac: float = doc(0.3, "warn when train/clip_frac exceeds this")
     long_prompts: str = doc("truncate", "prompts over max_prompt_tokens: truncate (keep the last tokens) or skip (draw others)")
     sample_log_interval: int = doc(10, "append the step's completions to samples.jsonl every this many steps (0 = never)")
     wandb: bool = doc(False, "also log to Weights & Biases (respects WANDB_MODE=offline)")
@@ -142,7 +151,8 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 RESUME_MAY_CHANGE = {
     "steps", "output_dir", "eval_interval", "eval_n", "eval_batch_size", "eval_max_new_tokens", "save_interval",
     "keep_checkpoints", "sample_log_interval", "max_bad_steps", "strict_rewards", "wandb", "wandb_project", "tensorboard", "report",
-    "run_name", "num_threads", "device", "grade_time_limit", "grade_workers", "fast", "dist_timeout", "logp_from_sampler", "shared_prefix", "fuse_accumulation", "onednn_linear",
+    "run_name", "num_threads", "device", "strict_health", "health_steps", "health_truncated_frac",
+    "health_zero_spread_frac", "health_max_kl", "health_max_clip_frac", "grade_time_limit", "grade_workers", "fast", "dist_timeout", "logp_from_sampler", "shared_prefix", "fuse_accumulation", "onednn_linear",
     "merge_lora_sampling", "keep_heap_memory",
 }
 
@@ -231,6 +241,12 @@ def validate(cfg: TrainConfig) -> None:
     rule(bool(cfg.lora_target_modules), "lora_target_modules", "must name at least one module")
     rule(cfg.eval_n is None or cfg.eval_n >= 0, "eval_n", "must not be negative")
     rule(cfg.eval_max_new_tokens is None or cfg.eval_max_new_tokens >= 1, "eval_max_new_tokens", "must be at least 1")
+    rule(cfg.eval_samples_per_prompt >= 1, "eval_samples_per_prompt", "must be at least 1")
+    rule(cfg.eval_temperature > 0, "eval_temperature", "must be positive")
+    rule(0 < cfg.eval_top_p <= 1, "eval_top_p", "must be in (0, 1]")
+    rule(cfg.health_steps >= 1, "health_steps", "must be at least 1")
+    for name in ("health_truncated_frac", "health_zero_spread_frac"):
+        rule(0 < getattr(cfg, name) <= 1, name, "must be in (0, 1]")
     rule(is_task_name(cfg.task), "task", f"unknown task (known: {', '.join(TASKS)}, or package.module:Name, file.py:Name)")
     rule(cfg.prompts is None or Path(cfg.prompts).is_file(), "prompts", "no such file")
     rule(cfg.algo in LOSSES, "algo", f"unknown algorithm (known: {', '.join(LOSSES)})")

@@ -295,6 +295,39 @@ def plot_metric(metric: str, runs: list[RunData], x_ofs: list, x_label: str, smo
     return buf.getvalue(), drawn
 
 
+def pass_at_k_names(run: RunData) -> list[str]:
+    """The run's eval/pass@j metrics, by j."""
+    names = {k for r in run.records for k in r if k.startswith("eval/pass@") and number(r[k]) is not None}
+    return sorted(names, key=lambda k: int(k.rsplit("@", 1)[1]))
+
+
+def plot_pass_at_k(run: RunData, x_of, x_label: str) -> bytes:
+    """One run's pass@j curves (one line per j) in one figure: does RL narrow or widen what it solves?"""
+    import matplotlib
+
+    if "matplotlib.pyplot" not in sys.modules:
+        matplotlib.use("Agg")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5.6, 3.4), dpi=90)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for name in pass_at_k_names(run):
+        xs, ys = series(run, name, x_of)
+        ax.plot(xs, ys, marker="o", markersize=3.5, linewidth=1.4, label=name.removeprefix("eval/"))
+    ax.set_title(f"pass@k: {run.name}", fontsize=10)
+    ax.set_xlabel(x_label, fontsize=8)
+    ax.set_ylim(-0.02, 1.02)
+    ax.tick_params(labelsize=7)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
 def make_plots(runs: list[RunData], plot_dir: Path, x_axis: str, smooth: float) -> tuple[list[Plot], list[str]]:
     """One PNG per metric in `plot_dir`; returns the plots and notes about x-axis fallbacks."""
     plot_dir.mkdir(parents=True, exist_ok=True)
@@ -310,6 +343,12 @@ def make_plots(runs: list[RunData], plot_dir: Path, x_axis: str, smooth: float) 
         notes.append(f"no {key} in {', '.join(fallback)}: plotted against the RL step instead")
         label = "RL step" if len(fallback) == len(runs) else f"{label} (RL step for {', '.join(fallback)})"
     plots, used = [], set()
+    for run, x_of in zip(runs, x_ofs):
+        if pass_at_k_names(run):
+            png = plot_pass_at_k(run, x_of, label)
+            path = plot_dir / f"{file_stem('pass_at_k_' + run.name, used)}.png"
+            write_atomic(path, png)
+            plots.append(Plot(f"pass@k {run.name}", path, "data:image/png;base64," + base64.b64encode(png).decode("ascii"), {}))
     for metric in metric_names(runs):
         png, drawn = plot_metric(metric, runs, x_ofs, label, smooth)
         path = plot_dir / f"{file_stem(metric, used)}.png"
@@ -473,6 +512,13 @@ summary{cursor:pointer}
 """
 
 
+def warnings_section(runs: list[RunData]) -> str:
+    """The health warnings each run logged, with their steps (nothing when there are none)."""
+    items = [f"<li><b>{esc(run.name)}</b>, step {r['step']}: {esc(w)}</li>"
+             for run in runs for r in run.records for w in (r.get("warnings") or [])]
+    return f"<h2>Warnings</h2><ul class=err>{''.join(items)}</ul>" if items else ""
+
+
 def render_page(runs: list[RunData], plots: list[Plot], notes: list[str], *, x_axis: str, smooth: float,
                 sample_steps: list[int] | None, max_samples: int) -> str:
     """The whole HTML document (no external references, no script)."""
@@ -487,6 +533,7 @@ def render_page(runs: list[RunData], plots: list[Plot], notes: list[str], *, x_a
         f"smoothing: {esc(smoothing)} (eval metrics and cumulative counters unsmoothed) · faint lines are raw values</p>"
         + (f"<ul class=err>{notes_html}</ul>" if notes else "")
         + f"<h2>Runs</h2>{runs_table(runs)}"
+        + warnings_section(ok)
         + f"<h2>Metrics</h2><div class=plots>{figures}</div>"
         + "<h2>Samples</h2>" + "".join(samples_section(r, sample_steps, max_samples) for r in ok)
         + "</body></html>\n"

@@ -4,6 +4,7 @@ which completes a rollout with its old and reference log-probs (engines generate
     engine.sync(model)                                   before each rollout: sample from exactly this policy
     engine.generate(messages, group_size, seed, first)   G completions per prompt → Rollout (prompt-major)
     engine.greedy(messages, max_new_tokens)              one greedy completion per prompt (eval)
+    engine.sample(messages, k, seed, first, sampling)    k sampled completions per prompt (eval with k > 1)
 """
 
 from __future__ import annotations
@@ -99,6 +100,11 @@ class RolloutEngine(Protocol):
 
     def greedy(self, messages: list[list[dict[str, str]]], max_new_tokens: int) -> tuple[list[str], int]:
         """One greedy completion per prompt: (texts, number cut at max_new_tokens)."""
+
+    def sample(self, messages: list[list[dict[str, str]]], *, k: int, seed: int, first_prompt: int,
+               sampling: Sampling) -> tuple[list[str], int]:
+        """k completions per prompt drawn with `sampling`, keyed like generate (sampled eval): (texts
+        prompt-major, number cut at max_new_tokens)."""
 
 
 def add_logprobs(model, r: Rollout, *, chunk: int, group_size: int, shared_prefix: bool, with_ref: bool) -> Rollout:

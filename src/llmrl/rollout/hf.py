@@ -83,6 +83,18 @@ class HFEngine:
                  first_prompt: int = 0) -> Rollout:
         return self._draw(messages, group_size, seed, first_prompt, self.sampling, with_logits=self.sampler_logp)
 
+    def sample(self, messages: list[list[dict[str, str]]], *, k: int, seed: int, first_prompt: int,
+               sampling: Sampling) -> tuple[list[str], int]:
+        """k sampled completions per prompt with `sampling` (eval's), eval_batch_size prompts at a time:
+        (texts [len(messages)·k] prompt-major, number cut at max_new_tokens)."""
+        texts: list[str] = []
+        truncated = 0
+        for i in range(0, len(messages), self.eval_batch_size):
+            r = self._draw(messages[i : i + self.eval_batch_size], k, seed, first_prompt + i, sampling, with_logits=False)
+            texts += r.texts
+            truncated += int((~r.ended).sum())
+        return texts, truncated
+
     def _draw(self, messages: list[list[dict[str, str]]], group_size: int, seed: int, first_prompt: int,
               s: Sampling, with_logits: bool) -> Rollout:
         model = self.model

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -27,6 +28,14 @@ class Reward:
     counts: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Judgement:
+    """A completion judged by its task's own correctness, for sampled eval (pass@k, maj@k)."""
+
+    correct: bool
+    answer: Hashable | None = None  # the answer as the task compares them (None: no answer), for maj@k
+
+
 class Task(Protocol):
     name: str
     eval_n_default: int
@@ -37,6 +46,8 @@ class Task(Protocol):
 
     def reward(self, example: Example, completion: str) -> Reward: ...
 
+    # Optional: `judge(examples, completions) -> list[Judgement]`, the task's correctness and answer per
+    # completion (pass@k, maj@k in sampled eval); without it, a reward component named "correct" is used.
     # Optional: `eval_max_new_tokens: int`, a cap on eval's max_new_tokens (format_copy: 24, as the starter).
     # Optional: `reward_batch(examples, completions) -> list[Reward]`, used instead of `reward` when a
     # task can grade a whole step at once (math_hard's verify mode grades on all cores).

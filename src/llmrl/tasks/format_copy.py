@@ -6,7 +6,7 @@ import random
 from dataclasses import dataclass
 
 from llmrl.tasks import seed_parsing
-from llmrl.tasks.base import Example, Reward, SeededSampling, mean_of
+from llmrl.tasks.base import Example, Judgement, Reward, SeededSampling, mean_of
 
 SYSTEM = (
     "You are a strict formatter.\n"
@@ -62,6 +62,10 @@ class FormatCopyTask(SeededSampling):
         g = grade(completion, example.answer)
         components = {k: WEIGHTS[k] * float(getattr(g, k)) for k in WEIGHTS}
         return Reward(total=sum(components.values()), components=components)
+
+    def judge(self, examples: list[Example], completions: list[str]) -> list[Judgement]:
+        """Correct: exact; the answer is the first tag's number."""
+        return [Judgement(grade(c, ex.answer).exact, seed_parsing.tag_number(c)) for ex, c in zip(examples, completions, strict=True)]
 
     def evaluate(self, examples: list[Example], completions: list[str]) -> dict[str, float]:
         grades = [grade(c, ex.answer) for ex, c in zip(examples, completions, strict=True)]

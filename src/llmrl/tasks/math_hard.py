@@ -13,7 +13,7 @@ from typing import Any
 from llmrl import grading
 from llmrl.errors import DataError
 from llmrl.tasks import seed_parsing
-from llmrl.tasks.base import Example, Reward, SeededSampling, mean_of
+from llmrl.tasks.base import Example, Judgement, Reward, SeededSampling, mean_of
 
 SYSTEM = (
     "Solve the competition-level math problem.\n"
@@ -235,6 +235,14 @@ class MathHardTask(SeededSampling):
             "relaxed": 0.1 * (g.last_exact and not g.boxed_parses),  # only when the boxed answer is no number
         }
         return Reward(total=sum(components.values()), components=components)
+
+    def judge(self, examples: list[Example], completions: list[str]) -> list[Judgement]:
+        """seed: correct is boxed_exact, the answer the boxed number; verify: math-verify's verdict, the
+        answer the extracted boxed text."""
+        if self.mode == "verify":
+            return [Judgement(v.correct, v.extracted) for v in self.verdicts(examples, completions)]
+        return [Judgement(grade(c, ex.answer).boxed_exact, seed_parsing.boxed_number(c))
+                for ex, c in zip(examples, completions, strict=True)]
 
     def evaluate(self, examples: list[Example], completions: list[str]) -> dict[str, float]:
         if self.mode == "verify":

@@ -1,40 +1,110 @@
-"""Greedy evaluation on a task's eval examples, through the run's rollout engine."""
+"""Evaluation on a task's eval examples, through the run's rollout engine: greedy (one completion per
+prompt), or sampled (eval_samples_per_prompt = k > 1) with pass@k and maj@k."""
 
 from __future__ import annotations
 
+import math
 import sys
+from collections import Counter
 from typing import Any
 
-from llmrl.rollout.base import RolloutEngine
+from llmrl.rollout.base import RolloutEngine, Sampling
+from llmrl.rollout.keyed import mix
 from llmrl.tasks import Example, Task
+from llmrl.tasks.base import Judgement, Reward
 from llmrl.tasks.score import score
 from llmrl.training.distributed import Dist
 
+EVAL_NOISE = 0xE7A1  # sampled eval's noise: keyed by (run seed, this, prompt index, sample index), the same every eval
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k (Chen et al. 2021) from n samples of which c are correct: 1 − C(n−c, k)/C(n, k),
+    the chance that k samples drawn without replacement from the n hold at least one correct one."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 ≤ c ≤ n and 1 ≤ k ≤ n (n={n}, c={c}, k={k})")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def majority_correct(judged: list[Judgement]) -> bool:
+    """maj@k of one prompt's k samples: the most common answer (ties: the one seen first) is correct.
+    Samples without an answer do not vote; with no answer at all it is not correct."""
+    votes = Counter(j.answer for j in judged if j.answer is not None)
+    if not votes:
+        return False
+    top = max(votes.values())
+    winner = next(j.answer for j in judged if j.answer is not None and votes[j.answer] == top)
+    return any(j.correct for j in judged if j.answer == winner)
+
+
+def pass_ks(n: int) -> list[int]:
+    """The k of pass@k reported for n samples per prompt: 1, 2, 4, … below n, and n."""
+    ks = [1 << i for i in range(n.bit_length()) if (1 << i) < n]
+    return ks + [n]
+
+
+def judge(task: Task, examples: list[Example], texts: list[str], rewards: list[Reward]) -> list[Judgement] | None:
+    """The task's own correctness per completion: task.judge, else a reward component named "correct"
+    (a custom task's), else None (no pass@k for this task)."""
+    if hasattr(task, "judge"):
+        return task.judge(examples, texts)
+    if rewards and all("correct" in r.components for r in rewards):
+        return [Judgement(r.components["correct"] > 0) for r in rewards]
+    return None
+
+
+def sampled_metrics(judged: list[Judgement], k: int, majority: bool = True) -> dict[str, float]:
+    """eval/pass@j for j in pass_ks(k), and eval/maj@k when the task compares answers (`majority`), from
+    k judged samples per prompt (prompt-major)."""
+    groups = [judged[i : i + k] for i in range(0, len(judged), k)]
+    out = {}
+    for j in pass_ks(k):
+        out[f"eval/pass@{j}"] = sum(pass_at_k(k, sum(x.correct for x in g), j) for g in groups) / max(len(groups), 1)
+    if majority:
+        out[f"eval/maj@{k}"] = sum(majority_correct(g) for g in groups) / max(len(groups), 1)
+    return out
+
 
 def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], *, max_new_tokens: int,
-             dist: Dist | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """Greedy-decode every example; return (metrics named eval/…, one sample row per example).
-    With several ranks, each decodes a contiguous shard and the texts are gathered. Rewards go
-    through the same scoring as training: one that raises scores 0 and is counted in eval/reward_errors."""
+             dist: Dist | None = None, samples_per_prompt: int = 1, sampling: Sampling | None = None,
+             seed: int = 0) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Decode every example (greedy, or samples_per_prompt = k completions each with `sampling`);
+    return (metrics named eval/…, one sample row per completion). With several ranks, each decodes a
+    contiguous shard and the texts are gathered. Rewards go through the same scoring as training: one
+    that raises scores 0 and is counted in eval/reward_errors. With k > 1 the task's metrics are means
+    over all k·n completions, plus pass@j and maj@k."""
     dist = dist or Dist()
+    k = samples_per_prompt
     per_rank = -(-len(examples) // dist.world)
-    mine = examples[dist.rank * per_rank : (dist.rank + 1) * per_rank]
-    texts, truncated = engine.greedy([ex.messages for ex in mine], max_new_tokens) if mine else ([], 0)
+    first = dist.rank * per_rank
+    mine = examples[first : first + per_rank]
+    if not mine:
+        texts, truncated = [], 0
+    elif k == 1:
+        texts, truncated = engine.greedy([ex.messages for ex in mine], max_new_tokens)
+    else:
+        texts, truncated = engine.sample([ex.messages for ex in mine], k=k, seed=mix(seed, EVAL_NOISE),
+                                         first_prompt=first, sampling=sampling)
     gathered = dist.gather((texts, truncated))
     texts, truncated = [t for part, _ in gathered for t in part], sum(n for _, n in gathered)
-    scores = score(task, examples, texts, strict=False, where="eval")
+    owners = [ex for ex in examples for _ in range(k)]  # prompt-major, like the completions
+    scores = score(task, owners, texts, strict=False, where="eval")
     try:
-        metrics = {f"eval/{k}": v for k, v in task.evaluate(examples, texts).items()}
+        metrics = {f"eval/{name}": v for name, v in task.evaluate(owners, texts).items()}
     except Exception as e:  # noqa: BLE001 - a user's evaluate may raise anything; the run goes on
         print(f"llmrl: eval: the task's evaluate raised {type(e).__name__}: {e}; only eval/reward is logged",
               file=sys.stderr)
         metrics = {}
-    n = max(len(examples), 1)
+    n = max(len(owners), 1)
     metrics["eval/reward"] = sum(r.total for r in scores.rewards) / n
     metrics["eval/reward_errors"] = scores.errors
     metrics["eval/truncated_frac"] = truncated / n
+    if k > 1 and (judged := judge(task, owners, texts, scores.rewards)) is not None:
+        metrics |= sampled_metrics(judged, k, majority=hasattr(task, "judge"))  # a "correct" component has no answers
     rows = [
         {"prompt": ex.messages[-1]["content"], "answer": ex.answer, "completion": t, "reward": r.total}
-        for ex, t, r in zip(examples, texts, scores.rewards)
+        for ex, t, r in zip(owners, texts, scores.rewards)
     ]
     return metrics, rows

@@ -47,12 +47,20 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
         for step in bar:
             result = train_step(run, step)
             last = result.metrics
-            run.logger.log(step, last)
+            warnings = run.health.check(cfg, last)
+            for text in warnings:
+                if run.dist.is_main:
+                    tqdm.write(f"llmrl: warning: step {step}: {text}", file=sys.stderr)
+            run.logger.log(step, last | ({"warnings": warnings} if warnings else {}))
             run.logger.log_samples(step, result.samples)
             bar.set_postfix(reward=f"{last['reward/mean']:.3f}", kl=f"{last['train/kl']:.4f}", loss=f"{last['train/loss']:.4f}")
 
             final = step == cfg.steps
             stopping = run.dist.any(stop.signal is not None)  # a signal on any rank stops every rank after this step
+            if warnings and cfg.strict_health:
+                path = save(run, step)
+                raise RunStopped(f"step {step}: stopped by --strict_health ({warnings[0].split(':')[0]}); "
+                                 f"checkpoint {path}")
             if run.totals.bad_in_a_row >= cfg.max_bad_steps:
                 path = save(run, step)
                 raise RunStopped(f"step {step}: {run.totals.bad_in_a_row} non-finite updates in a row (max_bad_steps="

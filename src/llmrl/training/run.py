@@ -27,7 +27,7 @@ from llmrl.errors import ConfigError, RunStopped
 from llmrl.logger import RunLogger
 from llmrl.models.loading import add_lora, load_base_model
 from llmrl.models.packed_linear import available_memory_bytes, install_packed_linears, onednn_available, packable_linears
-from llmrl.rollout import RolloutEngine, make_engine
+from llmrl.rollout import RolloutEngine, Sampling, make_engine
 from llmrl.rollout.keyed import mix
 from llmrl.run_files import CONFIG, DATA_REPORT, RUN_FILES
 from llmrl.tasks import Task, task_from_config
@@ -35,6 +35,7 @@ from llmrl.training import hooks
 from llmrl.training.cpu_speed import keep_heap_memory, use_hash_dropout
 from llmrl.training.distributed import Dist, init_distributed
 from llmrl.training.evaluate import evaluate
+from llmrl.training.health import Health
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Run:
     start: int  # the first step to run (1, or the step after the resumed checkpoint)
     resumed_from: Path | None
     totals: Totals = field(default_factory=Totals)
+    health: Health = field(default_factory=Health)
 
     @property
     def eval_n(self) -> int:
@@ -162,19 +164,21 @@ def setup_run(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
     shuffle = torch.Generator().manual_seed(cfg.seed + 1)
-    start, totals = 1, Totals()
+    start, totals, health = 1, Totals(), Health()
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, model, optimizer, shuffle)
         restore_rank_rng(state, cfg, dist)
         task.load_state_dict(state["task"])
         start, totals = state["step"] + 1, Totals(**state["totals"])
+        health = Health(**state.get("health", {}))
     if dist.is_main:
         save_config(cfg, run_dir / CONFIG)
     logger = RunLogger(run_dir, cfg.to_dict(), enabled=dist.is_main, use_wandb=cfg.wandb, project=cfg.wandb_project,
                        name=cfg.run_name, resume_step=start - 1 if checkpoint else None, use_tensorboard=cfg.tensorboard)
     engine = make_engine(cfg, plan, tokenizer)
     return Run(cfg=cfg, plan=plan, dir=run_dir, dist=dist, model=model, tokenizer=tokenizer, task=task, engine=engine,
-               optimizer=optimizer, shuffle=shuffle, logger=logger, start=start, resumed_from=checkpoint, totals=totals)
+               optimizer=optimizer, shuffle=shuffle, logger=logger, start=start, resumed_from=checkpoint, totals=totals,
+               health=health)
 
 
 def save(run: Run, step: int) -> Path | None:
@@ -182,7 +186,7 @@ def save(run: Run, step: int) -> Path | None:
     rank_rng = run.dist.gather(torch.get_rng_state())
     if not run.dist.is_main:
         return None
-    state = {"task": run.task.state_dict(), "totals": vars(run.totals), "config": run.cfg.to_dict(),
+    state = {"task": run.task.state_dict(), "totals": vars(run.totals), "health": vars(run.health), "config": run.cfg.to_dict(),
              "world_size": run.dist.world}
     extra = {f"torch_rank{r}": t for r, t in enumerate(rank_rng)} if run.dist.enabled else {}
     try:
@@ -204,11 +208,16 @@ def eval_max_new_tokens(cfg: TrainConfig, task: Task) -> int:
 
 def eval_policy(cfg: TrainConfig, model, tokenizer, task: Task, engine: RolloutEngine | None = None,
                 dist: Dist | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """Greedy eval of `model` on the task's first eval_n examples (`llmrl eval`, and the run's evals)."""
+    """Eval of `model` on the task's first eval_n examples (`llmrl eval`, and the run's evals): greedy, or
+    eval_samples_per_prompt sampled completions each."""
     engine = engine or make_engine(cfg, resolve(cfg), tokenizer)
     engine.sync(model)
     n = cfg.eval_n if cfg.eval_n is not None else task.eval_n_default
-    return evaluate(engine, task, task.eval_examples(n), max_new_tokens=eval_max_new_tokens(cfg, task), dist=dist)
+    max_new = eval_max_new_tokens(cfg, task)
+    sampling = Sampling(temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, top_k=0, repetition_penalty=1.0,
+                        min_new_tokens=0, max_new_tokens=max_new, max_prompt_tokens=cfg.max_prompt_tokens)
+    return evaluate(engine, task, task.eval_examples(n), max_new_tokens=max_new, dist=dist,
+                    samples_per_prompt=cfg.eval_samples_per_prompt, sampling=sampling, seed=cfg.seed)
 
 
 def evaluate_and_log(run: Run, step: int) -> dict[str, float]:

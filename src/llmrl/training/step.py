@@ -147,7 +147,8 @@ def update_settings(run: Run) -> UpdateSettings:
 
 def reward_metrics(rewards: list[Reward], adv: torch.Tensor, rewards_t: torch.Tensor, group_size: int) -> dict[str, float]:
     n = len(rewards)
-    out = {"reward/mean": rewards_t.mean().item(), "reward/std": rewards_t.std(unbiased=False).item()}
+    out = {"reward/mean": rewards_t.mean().item(), "reward/std": rewards_t.std(unbiased=False).item(),
+           "reward/min": rewards_t.min().item(), "reward/max": rewards_t.max().item()}
     for name in dict.fromkeys(k for r in rewards for k in r.components):
         out[f"reward/{name}"] = sum(r.components.get(name, 0.0) for r in rewards) / n
     for name in dict.fromkeys(k for r in rewards for k in r.counts):
