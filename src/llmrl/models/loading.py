@@ -18,6 +18,7 @@ import importlib.metadata
 import os
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -174,4 +175,6 @@ def add_lora(model, r: int, alpha: int, dropout: float, target_modules: list[str
         r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
         bias="none", task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`; nothing to do on our side
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(model, config)

@@ -15,12 +15,24 @@ computed the same way whatever sampling temperature produced the tokens.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 
 import torch
 from transformers.cache_utils import DynamicCache
 
 from llmrl.algorithms.core import entropy_of_logprobs, logprobs_of, token_entropy
+
+
+def _cache_keyword() -> str:
+    """The keyword a model call takes its KV cache by: `cache` from transformers 5.2x on (where
+    `past_key_values` is deprecated), `past_key_values` before."""
+    from transformers import LlamaForCausalLM
+
+    return "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
+CACHE = _cache_keyword()
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -75,13 +87,13 @@ def shared_prefix_logprobs(
     prompt_mask = attention_mask[first, :prompt_len]
     cache = DynamicCache(config=model.config)
     head = model(input_ids=input_ids[first, :prompt_len], attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
-                 past_key_values=cache, use_cache=True, logits_to_keep=1).logits  # [U, 1, V]: scores token P
+                 **{CACHE: cache}, use_cache=True, logits_to_keep=1).logits  # [U, 1, V]: scores token P
     parts = [head[inverse]]
     if length - prompt_len > 1:
         cache.batch_select_indices(inverse.to(input_ids.device))
         parts.append(model(
             input_ids=input_ids[:, prompt_len:-1], attention_mask=attention_mask[:, :-1],
-            position_ids=position_ids(attention_mask)[:, prompt_len:-1], past_key_values=cache, use_cache=True,
+            position_ids=position_ids(attention_mask)[:, prompt_len:-1], **{CACHE: cache}, use_cache=True,
         ).logits)  # [N, T-1, V]: score tokens P+1 … L-1
     return _scores(torch.cat(parts, dim=1), input_ids[:, prompt_len:], prompt_len, with_entropy)
 

@@ -16,7 +16,7 @@ from transformers.cache_utils import DynamicCache
 
 from llmrl.algorithms.core import completion_mask
 from llmrl.models.lora import merged_lora
-from llmrl.models.scoring import inference_mode, position_ids, sampler_logprobs
+from llmrl.models.scoring import CACHE, inference_mode, position_ids, sampler_logprobs
 from llmrl.rollout.base import Rollout, Sampling
 from llmrl.rollout.keyed import KeyedSampler, mix
 from llmrl.rollout.prompts import decode_completions, encode_prompts, eos_ids
@@ -48,7 +48,7 @@ def generate(
     if prompt_ids.shape[1] > 1:
         model(
             input_ids=prompt_ids[:, :-1], attention_mask=prompt_mask[:, :-1],
-            position_ids=position_ids(prompt_mask)[:, :-1], past_key_values=cache, use_cache=True, logits_to_keep=1,
+            position_ids=position_ids(prompt_mask)[:, :-1], **{CACHE: cache}, use_cache=True, logits_to_keep=1,
         )
         cache.batch_repeat_interleave(group_size)
     gen_config = copy.copy(gen_config)
@@ -56,7 +56,7 @@ def generate(
     out = model.generate(
         input_ids=prompt_ids.repeat_interleave(group_size, 0),
         attention_mask=prompt_mask.repeat_interleave(group_size, 0),
-        past_key_values=cache if prompt_ids.shape[1] > 1 else None,
+        **{CACHE: cache if prompt_ids.shape[1] > 1 else None},
         generation_config=gen_config,
         logits_processor=LogitsProcessorList([sampler]) if sampler is not None else None,
     )
