@@ -1,7 +1,6 @@
 """A complete custom reward for llmrl: a plain function, no class needed.
 
-    llmrl train --task examples/brevity_reward.py:reward --prompts examples/brevity_prompts.jsonl \
-        --model smollm2-135m-instruct --max_new_tokens 24 --steps 20
+    llmrl train --config configs/brevity.yaml      # the README's command (task, prompts and settings there)
 
 Each line of the prompts file is {"prompt": ..., "keyword": ...}; fields other than `prompt` and
 `system` reach the function as keyword arguments.

@@ -62,7 +62,7 @@ def test_yaml_unknown_key_and_bad_file(tmp_path):
 
 @pytest.mark.parametrize("args, needle", [
     (["--algo", "reinforce", "--ppo_epochs", "2"], "ppo_epochs=2: must be 1 with algo=reinforce"),
-    (["--nonsense", "3"], "unknown config key --nonsense"),
+    (["--nonsense", "3"], "unknown option --nonsense"),
     (["--group_size", "0"], "group_size=0: must be at least 1"),
     (["--model", "nosuchmodel"], "model='nosuchmodel'"),
     (["--config", "/no/such.yaml"], "config file '/no/such.yaml'"),
@@ -78,5 +78,19 @@ def test_help_lists_documented_fields():
     p = subprocess.run([sys.executable, "-m", "llmrl", "train", "--help"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0
     assert "--kl_coef" in p.stdout and "weight of the KL penalty" in p.stdout
+    for title in ("task and data", "sampling", "algorithm", "optimisation", "LoRA", "evaluation and logging",
+                  "checkpoints and health", "advanced speed switches"):
+        assert f"\n{title} (config fields" in p.stdout, title
+    assert p.stdout.index("--lr ") < p.stdout.index("advanced speed switches") < p.stdout.index("--onednn_linear")
+    assert not any(block.count("(default") > 1 for block in p.stdout.split("  --")), "one default note per option"
     p = subprocess.run([sys.executable, "-m", "llmrl", "eval", "--help"], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0 and "--adapter" in p.stdout
+    assert p.returncode == 0 and "--adapter" in p.stdout and "--eval_n" in p.stdout and "--lr " not in p.stdout
+    p = subprocess.run([sys.executable, "-m", "llmrl", "eval", "--base", "--lr", "5"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "training options, which eval does not use" in p.stderr
+
+
+def test_every_field_has_one_help_section():
+    from llmrl.config import FIELDS, SECTIONS
+
+    listed = [name for names in SECTIONS.values() for name in names]
+    assert sorted(listed) == sorted(FIELDS)

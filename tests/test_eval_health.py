@@ -1,6 +1,5 @@
 """Sampled eval (pass@k, maj@k) on hand-worked numbers and end to end, and the run-health warnings."""
 
-import math
 
 import pytest
 

@@ -155,3 +155,19 @@ def test_training_step_with_math_verify(tmp_path, tiny_model_dir):
     assert len(train) == 1 and {"reward/boxed", "reward/correct", "reward/grade_timeouts"} <= set(train[0])
     assert "eval/correct" in records[-1]
     assert json.loads((out / "data_report.json").read_text())["reward"] == "verify"
+
+
+def test_grade_gives_a_reason_and_cuts_huge_completions(tmp_path):
+    from llmrl.grading import MAX_ANSWER_CHARS, MAX_COPIED_CHARS
+
+    huge = "\\boxed{" + "1" * 200_000 + "}"
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in (
+        {"completion": huge, "gold": "1"}, {"completion": "\\boxed{2}", "gold": ""}, {"completion": "\\boxed{3}", "gold": "3"},
+    )) + "\n")
+    cli("grade", "--input", str(src), "--output", str(tmp_path / "out.jsonl"), "--time_limit", str(LIMIT))
+    big, nogold, fine = read_jsonl(tmp_path / "out.jsonl")
+    assert big["status"] == "error" and big["reason"] == f"answer of 200000 characters, over the {MAX_ANSWER_CHARS} graded"
+    assert len(big["completion"]) == MAX_COPIED_CHARS + 1 and big["completion_chars"] == len(huge)
+    assert nogold["status"] == "error" and nogold["reason"] == "no gold answer"
+    assert fine["status"] == "ok" and "reason" not in fine and fine["completion"] == "\\boxed{3}"

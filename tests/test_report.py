@@ -274,3 +274,21 @@ def test_report_lists_health_warnings_and_draws_pass_at_k(tmp_path):
     assert len(pass_plots) == 1 and pass_plots[0].png.is_file()
     quiet = make_run(tmp_path, "quiet", [train_record(1)])
     assert "<h2>Warnings</h2>" not in Path(build_report([quiet], tmp_path / "q")).read_text()
+
+
+def test_sections_constant_series_and_smoothing_scaled_to_the_run(tmp_path):
+    from llmrl.report import auto_smooth, load_run
+
+    records = [train_record(s, **{"train/skipped_updates": 0, "rollout/prompts_truncated": 0}) for s in range(1, 41)]
+    run = make_run(tmp_path, "forty", records + [eval_record(40, 1.0)])
+    r = write_report([run], tmp_path / "out")
+    names = [p.metric for p in r.plots]
+    assert "train/skipped_updates" not in names and "rollout/prompts_truncated" not in names  # always 0: folded
+    page = r.html.read_text()
+    assert "<h3>constant</h3>" in page and "train/skipped_updates" in page
+    assert page.index("<h3>reward</h3>") < page.index("<h3>eval</h3>") < page.index("<h3>policy</h3>") < page.index("<h3>time</h3>")
+    assert "EMA weight 0.75" in page  # 40 steps: a window of about 4
+    assert auto_smooth([load_run(run)]) == 0.75
+    short = make_run(tmp_path, "short", [train_record(s) for s in range(1, 6)])
+    assert auto_smooth([load_run(short)]) == 0.0
+    assert auto_smooth([load_run(make_run(tmp_path, "long", [train_record(s) for s in range(1, 501)]))]) == 0.9

@@ -1,4 +1,4 @@
-"""Command line: `llmrl train | eval | grade | report | bench` (also `python -m llmrl`).
+"""Command line: `llmrl train | eval | grade | report | bench | export | chat` (also `python -m llmrl`).
 
 Every TrainConfig field is a `--key value` option; `--config FILE.yaml` supplies a base. Errors the
 user can fix (config, model name, data) print one line and exit 2.
@@ -7,45 +7,67 @@ user can fix (config, model name, data) print one line and exit 2.
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import difflib
 import json
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from llmrl.config import FIELDS, TrainConfig, load_config, read_yaml
+from llmrl.config import EVAL_FIELDS, FIELDS, SECTIONS, TrainConfig, load_config, read_yaml
 from llmrl.errors import ConfigError, RunStopped, UserError
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a usage error as one line (exit 2) instead of usage + error."""
+    """argparse that reports a usage error as one line (exit 2) instead of usage + error; an unknown
+    option gets the closest known ones and the help page that lists them."""
+
+    command: str | None = None  # the subcommand being parsed, for the help hint
 
     def error(self, message: str) -> None:  # type: ignore[override]
         if message.startswith("unrecognized arguments:"):
-            unknown = [a for a in message.split(":", 1)[1].split() if a.startswith("--")]
-            message = f"unknown config key {', '.join(unknown) or message} (see `{self.prog} --help`)"
+            unknown = [a.split("=", 1)[0] for a in message.split(":", 1)[1].split() if a.startswith("--")]
+            known = [f"--{name}" for name in FIELDS] + ["--config", "--resume", "--overwrite", "--nproc", "--run",
+                                                       "--adapter", "--base", "--output"]
+            if OneLineParser.command == "eval" and any(u[2:] in FIELDS for u in unknown):
+                training = ", ".join(u for u in unknown if u[2:] in FIELDS)
+                self.exit(2, f"{self.prog}: error: {training}: training options, which eval does not use "
+                             "(`llmrl eval --help` lists what it does)\n")
+            hints = [f"{u}: did you mean {' or '.join(close)}?" for u in unknown
+                     if (close := difflib.get_close_matches(u, known, n=2, cutoff=0.75))]
+            where = f"llmrl {OneLineParser.command} --help" if OneLineParser.command else "llmrl COMMAND --help"
+            message = f"unknown option {', '.join(unknown) or message}" + (f" ({'; '.join(hints)})" if hints else "") + \
+                f"; `{where}` lists every option"
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def add_config_options(parser: argparse.ArgumentParser) -> None:
-    """One option per TrainConfig field, with the field's documentation as help. Values stay strings
-    here and are converted (with one-line errors) by `config.convert`."""
-    group = parser.add_argument_group("config (any field of TrainConfig; overrides --config)")
+def add_config_options(parser: argparse.ArgumentParser, only: frozenset[str] | None = None) -> None:
+    """One option per TrainConfig field (or per field in `only`), grouped by config.SECTIONS, with the
+    field's documentation as help. Values stay strings here and are converted (with one-line errors)
+    by `config.convert`."""
     defaults = TrainConfig()
-    for f in dataclasses.fields(TrainConfig):
-        default = getattr(defaults, f.name)
-        shown = ",".join(default) if isinstance(default, list) else default
-        kwargs: dict[str, Any] = {"nargs": "?", "const": "true"} if f.type in (bool, "bool") else {}
-        group.add_argument(f"--{f.name}", dest=f.name, default=argparse.SUPPRESS, metavar=f.name.upper(),
-                           help=f"{f.metadata['help']} (default: {shown})", **kwargs)
+    for title, names in SECTIONS.items():
+        names = tuple(n for n in names if only is None or n in only)
+        if not names:
+            continue
+        group = parser.add_argument_group(f"{title} (config fields; override --config)")
+        for name in names:
+            f, default = FIELDS[name], getattr(defaults, name)
+            shown = ",".join(default) if isinstance(default, list) else default
+            text = f.metadata["help"] if "default" in f.metadata["help"] else f"{f.metadata['help']} (default: {shown})"
+            kwargs: dict[str, Any] = {"nargs": "?", "const": "true"} if f.type in (bool, "bool") else {}
+            group.add_argument(f"--{name}", dest=name, default=argparse.SUPPRESS, metavar=name.upper(), help=text, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from llmrl import __version__
+
     parser = OneLineParser(prog="llmrl", description="RL fine-tuning of LLMs with verifiable rewards (GRPO, GR-REINFORCE, LoRA).")
+    parser.add_argument("--version", action="version", version=f"llmrl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
-    train = sub.add_parser("train", help="train a LoRA policy", description="Train a LoRA adapter with GRPO or GR-REINFORCE.")
+    train = sub.add_parser("train", help="train a LoRA policy", description="Train a LoRA adapter with GRPO or GR-REINFORCE.",
+                           usage="llmrl train [--config FILE] [--resume DIR] [--overwrite] [--nproc N] [--KEY VALUE ...]")
     train.add_argument("--config", help="YAML file of config fields")
     train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest checkpoint (its config.yaml is the base)")
     train.add_argument("--overwrite", action="store_true", help="replace a run already in output_dir")
@@ -53,14 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="data-parallel processes on this machine: launches torchrun (default: 1)")
     add_config_options(train)
 
-    ev = sub.add_parser("eval", help="evaluate a trained adapter (greedy)", description="Evaluate a run's newest checkpoint or an adapter directory.")
+    ev = sub.add_parser("eval", help="evaluate a trained adapter", description="Evaluate a run's newest checkpoint or an adapter directory.",
+                        usage="llmrl eval (--run DIR | --adapter DIR | --base) [--config FILE] [--output FILE] [--KEY VALUE ...]")
     source = ev.add_mutually_exclusive_group(required=True)
     source.add_argument("--run", metavar="DIR", help="run directory: its config.yaml and newest checkpoint")
     source.add_argument("--adapter", metavar="DIR", help="PEFT adapter directory (give --model/--task as needed)")
     source.add_argument("--base", action="store_true", help="evaluate the base model without an adapter")
     ev.add_argument("--config", help="YAML file of config fields")
     ev.add_argument("--output", metavar="FILE", help="write the graded completions to this JSONL file")
-    add_config_options(ev)
+    add_config_options(ev, only=EVAL_FIELDS)
 
     gr = sub.add_parser("grade", help="grade completions against gold math answers (math-verify)",
                         description="Grade JSONL lines {completion, gold | solution} with math-verify, in bounded time.")
@@ -69,10 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     gr.add_argument("--time_limit", type=float, default=5.0, help="seconds per verdict before it counts as a timeout (default: 5)")
     gr.add_argument("--workers", type=int, default=2, help="grading processes (default: 2)")
     from llmrl.bench import add_bench_parser
+    from llmrl.export import add_export_parsers
     from llmrl.report import add_report_parser
 
     add_report_parser(sub)
     add_bench_parser(sub)
+    add_export_parsers(sub)
     return parser
 
 
@@ -114,8 +139,25 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(args.config, overrides)
     result = train(cfg, resume=bool(args.resume), overwrite=args.overwrite)
-    print(json.dumps({k: v for k, v in result.last_metrics.items() if k.startswith(("reward/mean", "eval/"))}))
+    if os.environ.get("RANK", "0") == "0" and result.last_metrics:  # one summary, from rank 0
+        print(json.dumps({k: v for k, v in result.last_metrics.items() if k.startswith(("reward/mean", "eval/"))}))
     return 0
+
+
+def adapter_base(adapter: Path, overrides: dict[str, Any]) -> tuple[Path | None, dict[str, Any]]:
+    """(config file, overrides) for an adapter evaluated without --model: the config.yaml of the run it
+    was saved in (RUN/checkpoints/step_N), else the base model its adapter_config.json names."""
+    run_config = adapter.resolve().parent.parent / "config.yaml"
+    if run_config.is_file():
+        return run_config, overrides
+    try:
+        base = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError):
+        base = None
+    if not base:
+        raise ConfigError(f"--adapter {adapter}: its base model is unknown (no run config.yaml beside it, none in "
+                          "adapter_config.json); give --model")
+    return None, {"model": base, **overrides}
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -133,6 +175,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         adapter = latest_checkpoint(Path(args.run))
         if adapter is None:
             raise ConfigError(f"--run {args.run}: no checkpoint under {Path(args.run) / 'checkpoints'}")
+    elif adapter is not None and not args.config and "model" not in overrides:
+        cfg = load_config(*adapter_base(adapter, overrides))
     else:
         cfg = load_config(args.config, overrides)
     if adapter is not None and not (adapter / "adapter_config.json").exists():
@@ -189,6 +233,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    OneLineParser.command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser().parse_args(argv)
     try:
         if args.command == "train" and args.nproc != 1 and "WORLD_SIZE" not in os.environ:
@@ -199,7 +244,11 @@ def main(argv: list[str] | None = None) -> int:
             return launch_torchrun(args.nproc, argv)
         if getattr(args, "config", None):
             read_yaml(args.config)  # report a bad file before anything heavy
-        return {"train": cmd_train, "eval": cmd_eval, "grade": cmd_grade, "report": cmd_report, "bench": cmd_bench}[args.command](args)
+        from llmrl.export import cmd_chat, cmd_export
+
+        commands = {"train": cmd_train, "eval": cmd_eval, "grade": cmd_grade, "report": cmd_report, "bench": cmd_bench,
+                    "export": cmd_export, "chat": cmd_chat}
+        return commands[args.command](args)
     except RunStopped as e:
         print(f"llmrl: stopped: {e}", file=sys.stderr)
         return 1

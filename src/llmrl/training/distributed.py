@@ -62,7 +62,10 @@ class Dist:
             torch.distributed.barrier()
 
     def close(self) -> None:
+        """Leave the process group together: a rank that tears it down while another still works
+        (rank 0 writing the last checkpoint) can abort at exit in gloo's threads."""
         if self.enabled and torch.distributed.is_initialized():
+            torch.distributed.barrier()
             torch.distributed.destroy_process_group()
 
 

@@ -30,17 +30,26 @@ class TrainResult:
     tokenizer: Any
     run_dir: Path
     last_metrics: dict[str, Any]
+    adapter: Path | None = None  # the last checkpoint written (None on other ranks)
 
 
 def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> TrainResult:
     """Train a LoRA policy with `cfg`; with `resume`, continue from the newest good checkpoint of
     output_dir; with `overwrite`, replace a run already in output_dir."""
     run = setup_run(cfg, resume, overwrite)
+    if run.start > cfg.steps:
+        if run.dist.is_main:
+            print(f"llmrl: {run.dir} already ran its {cfg.steps} steps; nothing to do (give --steps N to continue); "
+                  f"adapter: {run.resumed_from}", file=sys.stderr)
+        run.logger.close()
+        run.dist.close()
+        return TrainResult(model=run.model, tokenizer=run.tokenizer, run_dir=run.dir, last_metrics={}, adapter=run.resumed_from)
     eval_on = run.eval_n > 0
     if eval_on and cfg.eval_interval > 0 and run.resumed_from is None:
         evaluate_and_log(run, 0)  # the untrained policy, for comparison
 
     last: dict[str, Any] = {}
+    path = None
     bar = tqdm(range(run.start, cfg.steps + 1), initial=run.start - 1, total=cfg.steps, disable=not run.dist.is_main,
                desc="train")
     with StopOnSignal() as stop:
@@ -77,4 +86,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
                 break
     run.logger.close()
     run.dist.close()
-    return TrainResult(model=run.model, tokenizer=run.tokenizer, run_dir=run.dir, last_metrics=last)
+    if run.dist.is_main and path is not None:
+        print(f"llmrl: adapter: {path} (load it with PeftModel.from_pretrained, or `llmrl export {run.dir}`)",
+              file=sys.stderr)
+    return TrainResult(model=run.model, tokenizer=run.tokenizer, run_dir=run.dir, last_metrics=last, adapter=path)

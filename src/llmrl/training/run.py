@@ -149,12 +149,12 @@ def setup_run(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -
         keep_heap_memory()
     run_dir = Path(cfg.output_dir)
     checkpoint = find_resume_checkpoint(cfg, run_dir) if resume else None
+    task = task_from_config(cfg)  # before the run dir and the model: a bad task or data fails fast, leaving nothing
     if dist.is_main:
         prepare_run_dir(run_dir, resume, overwrite)
     dist.barrier()
-
-    task = task_from_config(cfg)  # before the model: a bad task or data file fails fast (same prompts on every rank)
     model, tokenizer = build_policy(cfg, plan)
+    model.peft_config["default"].base_model_name_or_path = cfg.model  # checkpoints name the base as the user did
     if dist.enabled:
         torch.manual_seed(mix(cfg.seed, 1 + dist.rank))  # per-rank stream for LoRA dropout
     report = getattr(task, "data_report", None)
@@ -170,6 +170,8 @@ def setup_run(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -
         restore_rank_rng(state, cfg, dist)
         task.load_state_dict(state["task"])
         start, totals = state["step"] + 1, Totals(**state["totals"])
+        if dist.is_main:
+            print(f"llmrl: resuming {run_dir} from {checkpoint.name} (step {state['step']} of {cfg.steps})", file=sys.stderr)
         health = Health(**state.get("health", {}))
     if dist.is_main:
         save_config(cfg, run_dir / CONFIG)

@@ -1,0 +1,101 @@
+"""What a first-time user meets: one-line errors that leave nothing behind, help and version, resume
+messages, the Python API example, and the exported model outside llmrl."""
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from helpers import TESTS, cli, read_jsonl, run_cli, tiny_args
+
+REPO = TESTS.parent
+
+
+def test_cuda_on_a_cpu_torch_and_math_hard_offline_are_one_line_and_leave_no_directory(tmp_path, tiny_model_dir):
+    if torch.cuda.is_available():
+        return  # the point is a machine without CUDA
+    out = tmp_path / "cuda"
+    p = run_cli(*tiny_args(tiny_model_dir, out, "grpo", device="cuda"))
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "device=cuda" in p.stderr, p.stderr[-1000:]
+    assert not out.exists()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    out = tmp_path / "math"
+    p = subprocess.run([sys.executable, "-m", "llmrl", *tiny_args(tiny_model_dir, out, "grpo", task="math_hard")],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 2 and p.stderr.strip().count("\n") == 0, p.stderr[-1000:]
+    assert "--math_data" in p.stderr and "Traceback" not in p.stderr
+    assert not out.exists()
+    p = run_cli("eval", "--base", "--model", tiny_model_dir, "--task", "toy_task:CharTask", "--device", "cuda")
+    assert p.returncode == 2 and "device=cuda" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_version_and_did_you_mean():
+    from llmrl import __version__
+
+    p = run_cli("--version")
+    assert p.returncode == 0 and p.stdout.strip() == f"llmrl {__version__}"
+    p = run_cli("train", "--gruop_size", "4")
+    assert p.returncode == 2 and "did you mean --group_size?" in p.stderr and "llmrl train --help" in p.stderr
+
+
+def test_resume_says_where_it_starts_and_a_finished_run_does_nothing(tmp_path, tiny_model_dir):
+    out = tmp_path / "run"
+    p = cli(*tiny_args(tiny_model_dir, out, "grpo", steps=1, eval_n=0))
+    assert f"llmrl: adapter: {out / 'checkpoints' / 'step_000001'}" in p.stderr
+    p = cli("train", "--resume", str(out), "--steps", "2")
+    assert f"resuming {out} from step_000001 (step 1 of 2)" in p.stderr
+    p = cli("train", "--resume", str(out), "--steps", "2")
+    assert "already ran its 2 steps; nothing to do" in p.stderr and p.stdout.strip() == ""
+    assert max(r["step"] for r in read_jsonl(out / "metrics.jsonl")) == 2
+
+
+def test_api_example_runs(tmp_path, tiny_model_dir):
+    p = subprocess.run([sys.executable, str(REPO / "examples" / "api_example.py"), tiny_model_dir], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600,
+                       env=os.environ)
+    assert p.returncode == 0, p.stderr[-2000:]
+    adapter, reward = p.stdout.split()[-2:]
+    assert adapter.endswith("step_000002") and 0.0 <= float(reward) <= 1.0
+    records = read_jsonl(tmp_path / "runs" / "api-example" / "metrics.jsonl")
+    assert [r["step"] for r in records if "reward/mean" in r] == [1, 2]
+
+
+def test_export_merge_loads_with_plain_transformers_and_gives_llmrl_eval_completions(tmp_path, tiny_model_dir):
+    run = tmp_path / "run"
+    cli(*tiny_args(tiny_model_dir, run, "grpo", steps=2, eval_n=4, lr=0.05, lora_dropout=0))
+    cli("eval", "--run", str(run), "--output", str(tmp_path / "eval.jsonl"))
+    expected = [r["completion"] for r in read_jsonl(tmp_path / "eval.jsonl")]
+    cli("export", str(run), "--out", str(tmp_path / "merged"), "--merge")
+    cli("export", str(run), "--out", str(tmp_path / "adapter"))
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == tiny_model_dir
+    card = (tmp_path / "merged" / "README.md").read_text()
+    assert "grpo on toy_task:CharTask" in card and "steps | 2 of 2" in card and "eval/distinct" in card
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "merged")
+    from toy_task import CharTask
+
+    got = []
+    for ex in CharTask().eval_examples(4):
+        text = tok.apply_chat_template(ex.messages, tokenize=False, add_generation_prompt=True)
+        ids = tok(text, return_tensors="pt", add_special_tokens=False)
+        out = model.generate(**ids, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+        got.append(tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
+    assert got == expected
+    assert any(expected)  # something was generated
+    p = run_cli("export", str(run), "--out", str(tmp_path / "merged"))
+    assert p.returncode == 2 and "not empty" in p.stderr
+
+
+def test_chat_replies_with_the_policy(tmp_path, tiny_model_dir):
+    from llmrl.export import chat
+
+    run = tmp_path / "run"
+    cli(*tiny_args(tiny_model_dir, run, "grpo", steps=1, eval_n=0))
+    lines: list[str] = []
+    assert chat(run, lines=["Say something about 3.", "", "Again."], max_new_tokens=5, write=lines.append) == 0
+    assert lines[0].startswith("llmrl chat:") and len(lines) == 3
