@@ -74,6 +74,9 @@ def test_export_merge_loads_with_plain_transformers_and_gives_llmrl_eval_complet
     assert config["base_model_name_or_path"] == tiny_model_dir
     card = (tmp_path / "merged" / "README.md").read_text()
     assert "grpo on toy_task:CharTask" in card and "steps | 2 of 2" in card and "eval/distinct" in card
+    checkpoint = run / "checkpoints" / "step_000002"
+    assert "steps | 2 of 2" in (checkpoint / "README.md").read_text()  # not PEFT's empty template
+    assert json.loads((checkpoint / "adapter_config.json").read_text())["base_model_name_or_path"] == tiny_model_dir
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     tok = AutoTokenizer.from_pretrained(tmp_path / "merged")

@@ -115,13 +115,21 @@ def remove_stale_temporaries(run_dir: Path) -> None:
 def save_checkpoint(
     run_dir: Path, step: int, model, optimizer: torch.optim.Optimizer, state: dict[str, Any],
     generator: torch.Generator, keep: int = 0, extra_rng: dict[str, torch.Tensor] | None = None,
+    base_model: str | None = None, card: str | None = None,
 ) -> Path:
-    """Write the checkpoint of `step` atomically, point `latest` at it, keep the newest `keep` (0: all)."""
+    """Write the checkpoint of `step` atomically, point `latest` at it, keep the newest `keep` (0: all).
+    base_model: how adapter_config.json names the base (as the user gave it, not this machine's cache path);
+    card: the README.md written instead of PEFT's empty template."""
     final = checkpoint_dir(run_dir, step)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".tmp-step_{step:06d}-"))
     try:
         model.save_pretrained(tmp)
+        if base_model is not None:
+            adapter_config = json.loads((tmp / "adapter_config.json").read_text())
+            (tmp / "adapter_config.json").write_text(json.dumps({**adapter_config, "base_model_name_or_path": base_model}, indent=2))
+        if card is not None:
+            (tmp / "README.md").write_text(card, encoding="utf-8")
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         plain, tensors = rng_state()
         torch.save({**tensors, **(extra_rng or {}), "shuffle": generator.get_state()}, tmp / "rng.pt")

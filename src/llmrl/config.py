@@ -367,9 +367,9 @@ class Plan:
 
 def resolve(cfg: TrainConfig) -> Plan:
     """The Plan of a validated config on this machine (imports torch)."""
-    from llmrl.models.loading import pick_device, pick_dtype
-
     import torch
+
+    from llmrl.models.loading import pick_device, pick_dtype
 
     device = pick_device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():

