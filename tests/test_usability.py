@@ -102,3 +102,11 @@ def test_chat_replies_with_the_policy(tmp_path, tiny_model_dir):
     lines: list[str] = []
     assert chat(run, lines=["Say something about 3.", "", "Again."], max_new_tokens=5, write=lines.append) == 0
     assert lines[0].startswith("llmrl chat:") and len(lines) == 3
+
+
+def test_readme_shows_the_tested_api_example_and_the_brevity_command():
+    readme = (REPO / "README.md").read_text()
+    code = (REPO / "examples" / "api_example.py").read_text().split('"""', 2)[2].strip()
+    assert code in readme  # the README's example is the file the test above runs
+    doc = (REPO / "examples" / "brevity_reward.py").read_text()
+    assert "llmrl train --config configs/brevity.yaml" in doc and "llmrl train --config configs/brevity.yaml" in readme

@@ -54,22 +54,29 @@ def strip_think(text: str) -> str:
     return text if cut < 0 else text[:cut]
 
 
+def closing_brace(text: str, start: int) -> int | None:
+    """Index of the `}` that closes the `{` at `start` (braces counted, nothing escaped), or None."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+    return None
+
+
 def last_boxed(text: str, commands: tuple[str, ...] = BOX_COMMANDS) -> str | None:
     """Content of the last `\\boxed{…}` (or `\\fbox{…}`) with balanced braces; None if there is
-    none or the last one is unclosed. With commands=("\\boxed",) this is the seed's extraction."""
+    none or the last one is unclosed (the seed's rules, which fall back to an earlier box, are
+    tasks/seed_parsing.py's)."""
     opens = [i + len(command) for command in commands if (i := text.rfind(command + "{")) >= 0]
     if not opens:
         return None
     start = max(opens)  # index of the opening brace
-    depth = 0
-    for j in range(start, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start + 1 : j]
-    return None
+    end = closing_brace(text, start)
+    return None if end is None else text[start + 1 : end]
 
 
 def extract_answer(completion: str) -> str | None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 import re
 
+from llmrl.grading import closing_brace
+
 THINK = re.compile(r"<think>.*?</think>", re.IGNORECASE | re.DOTALL)
 ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.IGNORECASE | re.DOTALL)  # first tag; content stripped after
 ONLY_ONE_TAG = re.compile(r"\s*<answer>.*</answer>\s*", re.IGNORECASE | re.DOTALL)  # starts and ends with a tag
@@ -104,24 +106,11 @@ def tag_number(text: str) -> float | None:
     return parse_number(found[-1]) if found else None
 
 
-def _closing_brace(text: str, start: int) -> int | None:
-    """Index of the `}` that closes the `{` at `start` (braces counted, nothing escaped), or None."""
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return i
-    return None
-
-
 def last_boxed(text: str) -> str | None:
     """Stripped content of the last `\\boxed{…}` whose braces close (think blocks removed), or None."""
     cleaned = without_think(text)
     for m in reversed(list(BOXED.finditer(cleaned))):
-        end = _closing_brace(cleaned, m.end() - 1)
+        end = closing_brace(cleaned, m.end() - 1)
         if end is not None:
             return cleaned[m.end() : end].strip()
     return None
