@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import random
 import re
 from collections import Counter
@@ -78,6 +79,10 @@ def load_split(source: str | None, split: str) -> list[dict[str, Any]]:
     if source is None:
         from datasets import load_dataset
 
+        quiet = [logging.getLogger(name) for name in ("huggingface_hub", "datasets", "fsspec")]
+        levels = [log.level for log in quiet]
+        for log in quiet:
+            log.setLevel(logging.ERROR)  # the hub client's retry lines would precede our one-line error
         try:
             return list(load_dataset(HUB_DATASET, split=split))
         except Exception as e:  # noqa: BLE001 - offline, no such dataset, a hub outage: all mean "give a file"
@@ -85,6 +90,9 @@ def load_split(source: str | None, split: str) -> list[dict[str, Any]]:
             raise DataError(f"math_hard: could not load {HUB_DATASET} ({split}) from the Hugging Face hub "
                             f"({type(e).__name__}: {first}); give a local copy with --math_data FILE.jsonl|.parquet|DIR "
                             "(rows with problem, solution, level)") from None
+        finally:
+            for log, level in zip(quiet, levels):
+                log.setLevel(level)
     path = Path(source)
     if path.is_dir():
         files = [p for p in (path / f"{split}.jsonl", path / f"{split}.parquet") if p.exists()]
