@@ -110,3 +110,17 @@ def test_readme_shows_the_tested_api_example_and_the_brevity_command():
     assert code in readme  # the README's example is the file the test above runs
     doc = (REPO / "examples" / "brevity_reward.py").read_text()
     assert "llmrl train --config configs/brevity.yaml" in doc and "llmrl train --config configs/brevity.yaml" in readme
+
+
+def test_a_run_raises_no_future_warning_from_transformers_or_peft(tmp_path, tiny_model_dir):
+    """Both checkpointing settings, with every FutureWarning turned into an error."""
+    for checkpointing in ("true", "false"):
+        out = tmp_path / checkpointing
+        args = tiny_args(tiny_model_dir, out, "grpo", steps=1, eval_n=2, gradient_checkpointing=checkpointing)
+        p = subprocess.run([sys.executable, "-W", "error::FutureWarning", "-m", "llmrl", *args], capture_output=True,
+                           text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(TESTS)})
+        assert p.returncode == 0 and "FutureWarning" not in p.stderr, p.stderr[-2000:]
+    from llmrl.models.loading import add_lora
+
+    model = add_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 4, 8, 0.0, ["q_proj"], True)
+    assert model.get_base_model().is_activation_checkpointing  # still on under the new name

@@ -172,7 +172,11 @@ def add_lora(model, r: int, alpha: int, dropout: float, target_modules: list[str
     from peft import LoraConfig, get_peft_model
 
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers ≥ 5.2x names it activation checkpointing (the old name warns); earlier versions have only the old
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     config = LoraConfig(
         r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
         bias="none", task_type="CAUSAL_LM",
