@@ -1,4 +1,4 @@
-# `make train`: set up .venv and train GRPO on format_copy with the embedded model (CPU, ~6 min).
+# `make train`: set up .venv and train GRPO on format_copy with the embedded model (CPU, 4-7 min on 2 cores).
 # `make test`:  set up .venv and run the test suite.
 VENV ?= .venv
 PY := $(VENV)/bin/python
