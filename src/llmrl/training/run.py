@@ -80,7 +80,7 @@ class Run:
 
     @property
     def eval_n(self) -> int:
-        return self.cfg.eval_n if self.cfg.eval_n is not None else self.task.eval_n_default
+        return eval_count(self.cfg, self.task)
 
 
 def build_policy(cfg: TrainConfig, plan: Plan):
@@ -208,6 +208,11 @@ def save(run: Run, step: int) -> Path | None:
     return path
 
 
+def eval_count(cfg: TrainConfig, task: Task) -> int:
+    """eval_n, else the task's default (64 for format_copy, 512 for math_hard)."""
+    return cfg.eval_n if cfg.eval_n is not None else task.eval_n_default
+
+
 def eval_max_new_tokens(cfg: TrainConfig, task: Task) -> int:
     """eval_max_new_tokens, else max_new_tokens capped by the task's own eval cap (format_copy: 24)."""
     return cfg.eval_max_new_tokens or min(cfg.max_new_tokens, getattr(task, "eval_max_new_tokens", cfg.max_new_tokens))
@@ -219,11 +224,10 @@ def eval_policy(cfg: TrainConfig, model, tokenizer, task: Task, engine: RolloutE
     eval_samples_per_prompt sampled completions each."""
     engine = engine or make_engine(cfg, resolve(cfg), tokenizer)
     engine.sync(model)
-    n = cfg.eval_n if cfg.eval_n is not None else task.eval_n_default
     max_new = eval_max_new_tokens(cfg, task)
     sampling = Sampling(temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, top_k=0, repetition_penalty=1.0,
                         min_new_tokens=0, max_new_tokens=max_new, max_prompt_tokens=cfg.max_prompt_tokens)
-    return evaluate(engine, task, task.eval_examples(n), max_new_tokens=max_new, dist=dist,
+    return evaluate(engine, task, task.eval_examples(eval_count(cfg, task)), max_new_tokens=max_new, dist=dist,
                     samples_per_prompt=cfg.eval_samples_per_prompt, sampling=sampling, seed=cfg.seed)
 
 
