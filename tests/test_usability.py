@@ -123,4 +123,5 @@ def test_a_run_raises_no_future_warning_from_transformers_or_peft(tmp_path, tiny
     from llmrl.models.loading import add_lora
 
     model = add_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 4, 8, 0.0, ["q_proj"], True)
-    assert model.get_base_model().is_activation_checkpointing  # still on under the new name
+    base = model.get_base_model()  # still on, under the new name where transformers has it (5.2x), else the old
+    assert base.is_activation_checkpointing if hasattr(type(base), "is_activation_checkpointing") else base.is_gradient_checkpointing

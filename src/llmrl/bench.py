@@ -220,7 +220,9 @@ def run_side(side: str, values: dict[str, Any], out_dir: Path, quiet: bool = Fal
     values = {**values, "output_dir": str(out_dir / "run")}
     if side == "trl_checkpointing":  # TRL as it ships: GRPOConfig's default gradient checkpointing on
         values["gradient_checkpointing"] = True
-    if side == "llmrl":
+    if side == "llmrl_vllm":  # llmrl with its vllm rollout engine
+        values["rollout_engine"] = "vllm"
+    if side.startswith("llmrl"):
         cmd = [sys.executable, "-m", "llmrl.bench", "--child", "llmrl", "--config_json", json.dumps(values)]
     else:
         cmd = [sys.executable, "-m", "llmrl.bench_trl", "--config_json", json.dumps(values),
@@ -265,13 +267,18 @@ def child_values(values: dict[str, Any], steps: int, **changes: Any) -> dict[str
 def run_bench(model: str | None = None, config: str | None = None, steps: int = 3, no_trl: bool = False,
               sweep: bool = False, alternate: int = 1, work_dir: str | None = None, warmup: int = 1,
               matmul_seconds: float = 2.0, num_threads: int | None = None,
-              trl_checkpointing: bool = True) -> dict[str, Any]:
-    """Run the benchmark; return every figure as a JSON-ready dict."""
+              trl_checkpointing: bool = True, rollout_engine: str = "hf") -> dict[str, Any]:
+    """Run the benchmark; return every figure as a JSON-ready dict. rollout_engine=vllm adds the side
+    `llmrl_vllm` (llmrl with the vllm engine) beside llmrl with hf and TRL."""
     if steps < 1:
         raise ConfigError(f"--steps {steps}: must be at least 1")
     rounds = split_steps(steps, alternate)
     if not no_trl and importlib.util.find_spec("trl") is None:
         raise ConfigError(TRL_MISSING)
+    if rollout_engine not in ("hf", "vllm"):
+        raise ConfigError(f"--rollout_engine {rollout_engine}: must be hf or vllm")
+    if rollout_engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("--rollout_engine vllm: vLLM is not installed (make vllm on CPU, pip install -e \".[vllm]\" on CUDA)")
     name, values = bench_values(config, model)
     if num_threads is not None:
         if num_threads < 0:
@@ -297,7 +304,8 @@ def run_bench(model: str | None = None, config: str | None = None, steps: int = 
             torch.set_num_threads(values["num_threads"])  # the children use the same thread count
         rates = matmul_rates(seconds=matmul_seconds)
         flops = max(rates.values())  # the machine's rate: its fastest fp32 kernel
-        sides = ["llmrl"] if no_trl else ["llmrl", "trl"] + (["trl_checkpointing"] if trl_checkpointing else [])
+        sides = ["llmrl"] + (["llmrl_vllm"] if rollout_engine == "vllm" else [])
+        sides += [] if no_trl else ["trl"] + (["trl_checkpointing"] if trl_checkpointing else [])
         measured: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
         warm: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
         peak: dict[str, float] = {s: 0.0 for s in sides}
@@ -325,13 +333,16 @@ def run_bench(model: str | None = None, config: str | None = None, steps: int = 
         for side in sides:
             result[side] = summarize(measured[side], peak[side], n_params[side], values, flops)
             result[side]["warmup"] = warm[side]
-        for side in ("trl", "trl_checkpointing"):
+        for side in ("llmrl_vllm", "trl", "trl_checkpointing"):
             result.setdefault(side, None)
         # like for like: TRL with llmrl's settings, gradient checkpointing off on both sides
         result["speedup_vs_trl"] = result["trl"]["step_s"] / result["llmrl"]["step_s"] if result["trl"] else None
         # TRL with its own default (gradient checkpointing on), as SPEC.md's 87 s figure was measured
         result["speedup_vs_trl_checkpointing"] = (
             result["trl_checkpointing"]["step_s"] / result["llmrl"]["step_s"] if result["trl_checkpointing"] else None)
+        v = result["llmrl_vllm"]
+        result["speedup_vllm_vs_trl"] = result["trl"]["step_s"] / v["step_s"] if v and result["trl"] else None
+        result["vllm_vs_hf_step_ratio"] = v["step_s"] / result["llmrl"]["step_s"] if v else None  # > 1: vllm slower
         result["flop_limit_ratio"] = result["llmrl"]["flop_limit_ratio"]
         # the same ratio against torch.mm's rate (how this figure was computed before oneDNN was measured)
         result["flop_limit_ratio_torch_mm"] = result["flop_limit_ratio"] * rates["torch.mm"] / flops
@@ -373,7 +384,7 @@ def format_report(r: dict[str, Any]) -> str:
              f"{(' ' + per) if per else ''}{rounds}, {r['num_threads']} threads, matmul {r['matmul_gflops']:.1f} GFLOP/s"
              f" ({', '.join(f'{k} {v:.0f}' for k, v in r['matmul_gflops_by_kernel'].items())})",
              f"{'side':<17} {'s/step':>8} {'rollout':>8} {'update':>8} {'tok/s':>8} {'peak MB':>8}"]
-    for side in ("llmrl", "trl", "trl_checkpointing"):
+    for side in ("llmrl", "llmrl_vllm", "trl", "trl_checkpointing"):
         s = r.get(side)
         if s:
             lines.append(f"{side:<17} {s['step_s']:8.2f} {s['rollout_s']:8.2f} {s['update_s']:8.2f} "
@@ -383,6 +394,9 @@ def format_report(r: dict[str, Any]) -> str:
         speed += f" (trl_checkpointing: TRL's default gradient checkpointing on: {r['speedup_vs_trl_checkpointing']:.1f}x)"
     lines.append(f"speedup_vs_trl {speed}   flop_limit_ratio {r['flop_limit_ratio']:.1f} "
                  f"(limit {r['flop_limit_s']:.2f} s/step; {r['flop_limit_ratio_torch_mm']:.1f} at torch.mm's rate)")
+    if r.get("llmrl_vllm"):
+        trl = f", {r['speedup_vllm_vs_trl']:.1f}x TRL" if r.get("speedup_vllm_vs_trl") else ""
+        lines.append(f"llmrl_vllm: {r['vllm_vs_hf_step_ratio']:.2f}x llmrl (hf)'s s/step{trl}")
     s = r["llmrl"]
     lines.append(f"(limit: N={r['n_params'] / 1e6:.1f}M params, {r['n_params_counts']}; "
                  f"P={s['prompt_tokens_per_step']:.0f} prompt tokens/step, R={s['mean_completion_tokens']:.1f} "
@@ -422,6 +436,8 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--num_threads", type=int, metavar="N",
                    help="torch CPU threads for both sides and the matmul probe (default: the config's; 0 = torch's default)")
     p.add_argument("--matmul_seconds", type=float, default=2.0, help="how long to measure the fp32 matmul rate (default: 2)")
+    p.add_argument("--rollout_engine", default="hf", choices=["hf", "vllm"],
+                   help="vllm: also time llmrl with its vllm rollout engine (side llmrl_vllm) (default: hf)")
     return p
 
 
@@ -429,7 +445,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     try:
         result = run_bench(model=args.model, config=args.config, steps=args.steps, no_trl=args.no_trl, sweep=args.sweep,
                            alternate=args.alternate, work_dir=args.work_dir, matmul_seconds=args.matmul_seconds,
-                           num_threads=args.num_threads, trl_checkpointing=args.trl_checkpointing)
+                           num_threads=args.num_threads, trl_checkpointing=args.trl_checkpointing,
+                           rollout_engine=args.rollout_engine)
     except BenchFailed as e:
         print(f"llmrl: error: bench: {e}", file=sys.stderr)
         return 1

@@ -18,7 +18,8 @@ import yaml
 
 from llmrl.errors import ConfigError
 
-ENGINE_NAMES = ("hf",)  # rollout.ENGINES, without importing torch here
+ENGINE_NAMES = ("hf", "vllm")  # rollout.ENGINES, without importing torch here
+MISMATCH_CORRECTIONS = ("none", "token_tis", "sequence_mask")  # algorithms.core.mismatch_weights
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -89,7 +90,12 @@ class TrainConfig:
     dtype: str = doc("auto", "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16 or float16")
     num_threads: int = doc(0, "torch CPU threads (0 = torch's default)")
     dist_timeout: float = doc(600.0, "seconds a rank waits for the others in a collective before the run fails (torchrun)")
-    rollout_engine: str = doc("hf", "rollout engine: hf (Hugging Face generate on the policy)")
+    rollout_engine: str = doc("hf", "rollout engine: hf (Hugging Face generate on the policy) or vllm (in-process vLLM, synced through a LoRA adapter every step; `make vllm` on CPU)")
+    vllm_memory: float = doc(0.3, "vllm on CUDA: share of the GPU's memory for the engine (gpu_memory_utilization); on CPU the KV cache is sized to the run's batch")
+    vllm_sleep: bool = doc(True, "vllm on CUDA: put the engine to sleep (weights offloaded, KV cache freed) during each update")
+    old_logprobs: str = doc("trainer", "where logp_old comes from with the vllm engine: trainer (recomputed, the seed's) or engine (vLLM's own sampled-token log-probs: one forward less)")
+    mismatch_correction: str = doc("none", "training-inference mismatch correction with the vllm engine: none, token_tis (truncated importance weight per token) or sequence_mask (drop completions whose mean log-ratio leaves ±log(cap))")
+    mismatch_cap: float = doc(2.0, "cap C of mismatch_correction: token weights min(π_old/π_engine, C); sequences kept while exp(mean log-ratio) is in [1/C, C]")
     fast: bool = doc(True, "all speed paths on; false: the plain path (recompute old log-probs, unmerged LoRA while sampling)")
     logp_from_sampler: bool = doc(True, "old log-probs from the sampler's own temperature-1 logits (no second forward)")
     merge_lora_sampling: bool = doc(True, "merge LoRA into the base weights while sampling (exact weights restored after)")
@@ -151,7 +157,8 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 SECTIONS: dict[str, tuple[str, ...]] = {
     "task and data": ("model", "task", "prompts", "math_data", "math_reward", "grade_time_limit", "grade_workers",
                       "long_prompts"),
-    "run": ("steps", "seed", "output_dir", "device", "dtype", "rollout_engine"),
+    "run": ("steps", "seed", "output_dir", "device", "dtype", "rollout_engine", "vllm_memory", "vllm_sleep",
+            "old_logprobs", "mismatch_correction", "mismatch_cap"),
     "sampling": ("batch_size", "group_size", "min_new_tokens", "max_new_tokens", "max_prompt_tokens", "temperature",
                  "top_p", "top_k", "repetition_penalty"),
     "algorithm": ("algo", "adv_estimator", "adv_clip", "normalize_advantages", "clip_eps", "clip_eps_low",
@@ -172,7 +179,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
 
 # The fields `llmrl eval` uses (the model, its adapter's shape, the task, eval, speed); others are refused there.
 EVAL_FIELDS = frozenset(SECTIONS["task and data"] + SECTIONS["LoRA"] + SECTIONS["advanced speed switches"] + (
-    "seed", "device", "dtype", "rollout_engine", "max_new_tokens", "max_prompt_tokens", "eval_n", "eval_batch_size",
+    "seed", "device", "dtype", "rollout_engine", "vllm_memory", "max_new_tokens", "max_prompt_tokens", "eval_n", "eval_batch_size",
     "eval_samples_per_prompt", "eval_temperature", "eval_top_p", "eval_max_new_tokens"))
 
 # Fields a resumed run may change; any other difference from the checkpoint's config is an error.
@@ -181,7 +188,7 @@ RESUME_MAY_CHANGE = {
     "keep_checkpoints", "sample_log_interval", "max_bad_steps", "strict_rewards", "wandb", "wandb_project", "tensorboard", "report",
     "run_name", "num_threads", "device", "strict_health", "health_steps", "health_truncated_frac",
     "health_zero_spread_frac", "health_max_kl", "health_max_clip_frac", "grade_time_limit", "grade_workers", "fast", "dist_timeout", "logp_from_sampler", "shared_prefix", "fuse_accumulation", "onednn_linear",
-    "merge_lora_sampling", "keep_heap_memory",
+    "merge_lora_sampling", "keep_heap_memory", "vllm_memory", "vllm_sleep",
 }
 
 
@@ -295,10 +302,21 @@ def validate(cfg: TrainConfig) -> None:
          f"must divide batch_size*group_size={cfg.rollout_size} so every completion weighs the same")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rule(cfg.batch_size % world == 0, "batch_size", f"must be divisible by the world size {world}")
+    rule(world == 1 or cfg.rollout_engine != "vllm", "rollout_engine",
+         f"vllm is single-process for now (WORLD_SIZE={world}): an engine per torchrun rank is not built yet")
     rule(world == 1 or not cfg.dynamic_sampling, "dynamic_sampling", f"is single-process for now (WORLD_SIZE={world})")
     rule(cfg.dist_timeout > 0, "dist_timeout", "must be positive")
     rule(cfg.device == "auto" or cfg.device == "cpu" or cfg.device.startswith("cuda"), "device", "must be auto, cpu, cuda or cuda:N")
     rule(cfg.rollout_engine in ENGINE_NAMES, "rollout_engine", f"unknown engine (known: {', '.join(ENGINE_NAMES)})")
+    rule(0 < cfg.vllm_memory <= 1, "vllm_memory", "must be in (0, 1]")
+    rule(cfg.old_logprobs in ("trainer", "engine"), "old_logprobs", "must be trainer or engine")
+    rule(cfg.old_logprobs == "trainer" or cfg.rollout_engine == "vllm", "old_logprobs",
+         "engine needs rollout_engine=vllm (the hf engine's sampler log-probs are logp_from_sampler)")
+    rule(cfg.mismatch_correction in MISMATCH_CORRECTIONS, "mismatch_correction",
+         f"must be one of {', '.join(MISMATCH_CORRECTIONS)}")
+    rule(cfg.mismatch_correction == "none" or cfg.rollout_engine == "vllm", "mismatch_correction",
+         "needs rollout_engine=vllm (the hf engine samples the trained weights themselves)")
+    rule(cfg.mismatch_cap > 1, "mismatch_cap", "must be above 1")
     rule(cfg.long_prompts in ("truncate", "skip"), "long_prompts", "must be truncate or skip")
     rule(cfg.math_reward in ("seed", "verify"), "math_reward", "must be seed or verify")
     rule(cfg.grade_time_limit > 0, "grade_time_limit", "must be positive")

@@ -7,6 +7,7 @@ entry t scores token t+1.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -188,3 +189,29 @@ def zero_spread_fraction(rewards: torch.Tensor, group_size: int) -> float:
     """Fraction of groups whose rewards are all equal (they give no policy gradient)."""
     grouped = rewards.view(-1, group_size)
     return (grouped.max(dim=1).values == grouped.min(dim=1).values).float().mean().item()
+
+
+def mismatch_weights(log_ratio: torch.Tensor, mask: torch.Tensor, mode: str, cap: float,
+                     in_ratio: bool = False) -> torch.Tensor:
+    """Training-inference mismatch correction as detached per-token loss weights: [N, T] → [N, T].
+
+    log_ratio [N, T]: log of the importance weight to correct, per sampled token.
+      - in_ratio=False: x = log π_old − log π_engine, a weight the loss does not carry (its own ratio is
+        π_θ/π_old, or none for reinforce). token_tis: w = min(e^x, cap) (truncated IS, as TRL/verl).
+      - in_ratio=True: x = log π_θ − log π_engine is the loss's own ratio ρ (old_logprobs=engine with
+        grpo). token_tis: w = min(ρ, cap)/ρ, so the weighted surrogate is that of ρ truncated at cap.
+    sequence_mask (either way): w = 1 for rows whose geometric-mean weight exp(mean_t x) lies in
+    [1/cap, cap], else 0 (the whole completion leaves the loss; its tokens stay in the normaliser).
+    none: w = 1. Outside the mask the weight is 1 (those tokens are masked by the loss anyway).
+    """
+    x = log_ratio.detach().float().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if mode == "none":
+        return torch.ones_like(x)
+    if mode == "token_tis":
+        log_cap = math.log(cap)
+        w = torch.exp(x.clamp(max=log_cap) - x) if in_ratio else torch.exp(x.clamp(max=log_cap))
+        return torch.where(mask > 0, w, torch.ones_like(w))
+    if mode == "sequence_mask":
+        keep = masked_mean_rows(x, mask).abs() <= math.log(cap)  # [N]
+        return keep.float()[:, None].expand_as(x).clone()
+    raise ValueError(f"unknown mismatch correction {mode!r}")

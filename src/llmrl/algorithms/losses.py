@@ -9,6 +9,8 @@ Every loss takes per-token tensors restricted to one minibatch and returns (pg_l
     logp_old [M, T]  log-probs under the behaviour policy at sampling time (no grad)
     adv      [M]     per-sequence advantages (already clipped)
     mask     [M, T]  completion mask
+    weight   [M, T]  optional detached per-token weights (training-inference mismatch correction,
+                     core.mismatch_weights); None = 1
 `stats` holds detached scalars for logging (clip fractions on the low and high side).
 """
 
@@ -85,28 +87,35 @@ class LossSettings:
 
 
 def reinforce_loss(
-    logp_new: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, s: LossSettings
+    logp_new: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, s: LossSettings,
+    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Group-relative REINFORCE: pg = −aggregate(A_i · logp_new_it). With the seed's aggregation this is
-    −mean_i(A_i · masked_row_mean(logp_new_i)). `logp_old` is unused (one on-policy pass)."""
+    """Group-relative REINFORCE: pg = −aggregate(w_it · A_i · logp_new_it). With the seed's aggregation and
+    no weights this is −mean_i(A_i · masked_row_mean(logp_new_i)). `logp_old` is unused (one on-policy pass)."""
     per_token = adv[:, None] * logp_new  # [M, T]
+    if weight is not None:
+        per_token = per_token * weight
     return -AGGREGATIONS[s.aggregate](per_token, mask, s.max_tokens), {"clip_frac": 0.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0}
 
 
 def grpo_loss(
-    logp_new: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, s: LossSettings
+    logp_new: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, s: LossSettings,
+    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO / PPO-clip: min(ρ·A, clip(ρ, 1 − ε_low, 1 + ε_high)·A) per token, pg = −aggregate(…).
 
     ρ is RATIOS[s.ratio] (token: PPO; sequence: GSPO). With ε_high > ε_low this is DAPO's clip-higher.
     clip_frac_low / clip_frac_high: fraction of completion tokens where the clipped term is chosen
     because ρ < 1 − ε_low (A < 0) or ρ > 1 + ε_high (A > 0), i.e. where the gradient is cut off.
+    `weight` multiplies each token's term before aggregation.
     """
     ratio = RATIOS[s.ratio](logp_new, logp_old, mask)  # [M, T]
     a = adv[:, None]  # [M, 1]
     unclipped = ratio * a
     clipped = ratio.clamp(1 - s.clip_low, 1 + s.clip_high) * a
     per_token = torch.minimum(unclipped, clipped)  # [M, T]
+    if weight is not None:
+        per_token = per_token * weight
     pg = -AGGREGATIONS[s.aggregate](per_token, mask, s.max_tokens)
     cut = clipped < unclipped
     low = masked_mean((cut & (ratio < 1 - s.clip_low)).float(), mask).item()

@@ -2,6 +2,7 @@
 which completes a rollout with its old and reference log-probs (engines generate; they do not score).
 
     engine.sync(model)                                   before each rollout: sample from exactly this policy
+    engine.release()                                     after it, before the update
     engine.generate(messages, group_size, seed, first)   G completions per prompt → Rollout (prompt-major)
     engine.greedy(messages, max_new_tokens)              one greedy completion per prompt (eval)
     engine.sample(messages, k, seed, first, sampling)    k sampled completions per prompt (eval with k > 1)
@@ -45,6 +46,7 @@ class Rollout:
     texts: list[str]  # decoded completions (without EOS)
     prompts_truncated: int  # prompts cut to max_prompt_tokens
     entropy: torch.Tensor | None = None  # [N, L-1] sampling-policy token entropies at temperature 1 (0 outside)
+    engine_logp: torch.Tensor | None = None  # [N, L-1] the engine's own log-probs of the sampled tokens (vllm; 0 outside)
 
     @property
     def completion_lens(self) -> torch.Tensor:
@@ -60,6 +62,7 @@ def select_rows(r: Rollout, rows: list[int]) -> Rollout:
         logp_old=None if r.logp_old is None else r.logp_old[idx], logp_ref=None if r.logp_ref is None else r.logp_ref[idx], ended=r.ended[idx],
         prompt_len=r.prompt_len, texts=[r.texts[i] for i in rows], prompts_truncated=r.prompts_truncated,
         entropy=None if r.entropy is None else r.entropy[idx],
+        engine_logp=None if r.engine_logp is None else r.engine_logp[idx],
     )
 
 
@@ -86,12 +89,16 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
         ended=torch.cat([r.ended for r in parts]), prompt_len=p, texts=[x for r in parts for x in r.texts],
         prompts_truncated=sum(r.prompts_truncated for r in parts),
         entropy=None if parts[0].entropy is None else torch.cat([widen(r.entropy, *pads(r), 0) for r in parts]),
+        engine_logp=None if parts[0].engine_logp is None else torch.cat([widen(r.engine_logp, *pads(r), 0) for r in parts]),
     )
 
 
 class RolloutEngine(Protocol):
     def sync(self, model) -> None:
         """Make the next generate/greedy sample from `model`'s current weights (adapter included)."""
+
+    def release(self) -> None:
+        """The rollout is over: free what the engine holds that the update could use (vLLM sleep on CUDA)."""
 
     def generate(self, messages: list[list[dict[str, str]]], *, group_size: int, seed: int,
                  first_prompt: int = 0) -> Rollout:
@@ -117,7 +124,8 @@ def add_logprobs(model, r: Rollout, *, chunk: int, group_size: int, shared_prefi
         if r.logp_old is None:
             r.logp_old, r.entropy = chunked_logprobs(model, r.input_ids, r.attention_mask, r.prompt_len, chunk, group,
                                                      with_entropy=True)
-        r.logp_old, r.entropy = r.logp_old * r.completion_mask, r.entropy * r.completion_mask
+        r.logp_old = r.logp_old * r.completion_mask
+        r.entropy = None if r.entropy is None else r.entropy * r.completion_mask
         if with_ref:
             with model.disable_adapter():
                 r.logp_ref = chunked_logprobs(model, r.input_ids, r.attention_mask, r.prompt_len, chunk, group)[0]

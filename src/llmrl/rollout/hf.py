@@ -76,6 +76,9 @@ class HFEngine:
         """HF generates with the policy object itself, so it always samples the current weights."""
         self.model = model
 
+    def release(self) -> None:
+        """Nothing to free: HF samples with the policy's own weights."""
+
     def _config(self, **kw) -> GenerationConfig:
         return greedy_config(self.tokenizer, eos_ids(self.model, self.tokenizer), **kw)
 

@@ -36,7 +36,7 @@ from llmrl.tasks import Example, Reward, Task
 from llmrl.tasks.score import score
 from llmrl.training import hooks
 from llmrl.training.run import Run
-from llmrl.training.update import UpdateBatch, UpdateSettings, UpdateStats, policy_update, warmup_factor
+from llmrl.training.update import UpdateBatch, UpdateSettings, UpdateStats, add_diff, policy_update, warmup_factor
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -99,6 +99,8 @@ def sample_and_score(run: Run, step: int) -> Sampled:
         run.engine.sync(run.model)
         out = run.engine.generate([ex.messages for ex in examples], group_size=g,
                                   seed=step_seed(cfg.seed, step) + 7_777 * rounds, first_prompt=first)
+        if cfg.old_logprobs == "engine":  # vLLM's own sampled-token log-probs are the behaviour policy
+            out.logp_old = out.engine_logp
         out = add_logprobs(run.model, out, chunk=plan.score_chunk, group_size=g, shared_prefix=plan.shared_prefix_scoring,
                            with_ref=cfg.kl_coef > 0)
         owners = [ex for ex in examples for _ in range(g)]  # prompt-major, like the completions
@@ -146,7 +148,8 @@ def update_settings(run: Run) -> UpdateSettings:
         algo=cfg.algo, loss=cfg.loss_settings, ppo_epochs=cfg.ppo_epochs, minibatch_size=cfg.minibatch_size,
         grad_accum_steps=cfg.grad_accum_steps, kl_coef=0.0 if cfg.kl_in_reward else cfg.kl_coef,
         kl_estimator=cfg.kl_estimator, max_grad_norm=cfg.max_grad_norm, shared_prefix=run.plan.shared_prefix_update,
-        fuse_accumulation=run.plan.fuse_accumulation,
+        fuse_accumulation=run.plan.fuse_accumulation, mismatch=cfg.mismatch_correction, mismatch_cap=cfg.mismatch_cap,
+        engine_old=cfg.old_logprobs == "engine",
     )
 
 
@@ -250,13 +253,25 @@ def update(run: Run, out: Rollout, g: Gathered, adv: torch.Tensor) -> tuple[Upda
         input_ids=out.input_ids, attention_mask=out.attention_mask, completion_mask=out.completion_mask,
         logp_old=out.logp_old, logp_ref=out.logp_ref, adv=adv[g.first_row : g.first_row + n].to(device),
         group=torch.arange(n, device=device) // run.cfg.group_size, prompt_len=out.prompt_len,
-        lengths=g.scored.to(device), offset=g.first_row,
+        lengths=g.scored.to(device), offset=g.first_row, logp_engine=out.engine_logp,
     )
     stats = policy_update(run.model, run.optimizer, batch, update_settings(run), run.shuffle, run.dist)
-    train = stats.logged() | {"train/entropy": masked_mean(out.entropy, out.completion_mask).item()}  # sampling policy, T = 1
+    train = stats.logged()
+    if out.entropy is not None:  # the sampling policy's, T = 1 (not with old_logprobs=engine: vLLM returns no entropies)
+        train["train/entropy"] = masked_mean(out.entropy, out.completion_mask).item()
+    if out.engine_logp is not None:  # |engine − trainer| log-probs of the sampled tokens, at θ_old
+        diff = stats.engine_diff if run.cfg.old_logprobs == "engine" else add_diff(
+            None, out.logp_old, out.engine_logp, out.completion_mask)
+        train["engine_diff"] = diff or (0.0, 0.0, 0.0)
     averaged = (*(f"train/{k}" for k in stats.MEAN_FIELDS), "train/entropy")
     every_rank = run.dist.gather(train)  # one collective for all the statistics
-    return stats, {k: sum(r[k] for r in every_rank) / run.dist.world if k in averaged else v for k, v in train.items()}
+    train = {k: sum(r[k] for r in every_rank) / run.dist.world if k in averaged else v for k, v in train.items()}
+    if "engine_diff" in train:
+        sums = [r["engine_diff"] for r in every_rank]
+        del train["engine_diff"]
+        train["rollout/engine_logprob_diff"] = sum(d[0] for d in sums) / max(sum(d[1] for d in sums), 1.0)
+        train["rollout/engine_logprob_diff_max"] = max(d[2] for d in sums)
+    return stats, train
 
 
 def train_step(run: Run, step: int) -> StepResult:
@@ -268,6 +283,7 @@ def train_step(run: Run, step: int) -> StepResult:
     # 1-3. sample prompts, complete them G times, score the completions
     t0 = time.perf_counter()
     s = sample_and_score(run, step)
+    run.engine.release()
     rewards_t = shaped_rewards(cfg, s)
     rollout_s = time.perf_counter() - t0
     g = gather(run, s, rewards_t)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmrl.algorithms.core import KL_ESTIMATORS, masked_mean
+from llmrl.algorithms.core import KL_ESTIMATORS, masked_mean, mismatch_weights
 from llmrl.algorithms.losses import LOSSES, LossSettings
 from llmrl.models.scoring import sequence_logprobs, shared_prefix_logprobs
 from llmrl.training.distributed import Dist, all_reduce_grads
@@ -36,6 +36,9 @@ class UpdateSettings:
     max_grad_norm: float
     shared_prefix: bool = False  # rows with the same `group` run their prompt once
     fuse_accumulation: bool = False  # one forward per optimizer window instead of one per minibatch
+    mismatch: str = "none"  # training-inference mismatch correction (core.mismatch_weights); needs logp_engine
+    mismatch_cap: float = 2.0
+    engine_old: bool = False  # logp_old is the engine's (old_logprobs=engine): correct the loss's own ratio
 
 
 @dataclass
@@ -52,6 +55,7 @@ class UpdateBatch:
     prompt_len: int
     lengths: torch.Tensor  # [N] scored completion tokens of every global row (all ranks)
     offset: int = 0
+    logp_engine: torch.Tensor | None = None  # [n, L-1] the rollout engine's log-probs (vllm), else None
 
     def rows(self, global_rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """The per-row tensors of these global rows (which must be this rank's), trimmed to completions."""
@@ -77,6 +81,9 @@ class UpdateStats:
     skipped_updates: int = 0  # optimizer steps skipped for a non-finite loss or gradient norm
     trailing_skips: int = 0  # of those, how many since the last step taken
     empty_minibatches: int = 0  # minibatches without completion tokens (no forward, not accumulated)
+    engine_diff: tuple[float, float, float] | None = None  # old_logprobs=engine: (Σ|Δ|, tokens, max |Δ|) of the
+    #   trainer's log-probs before the first optimizer step (training forward: LoRA dropout on) vs the
+    #   engine's, over this rank's first window
 
     MEAN_FIELDS = ("loss", "pg_loss", "kl", "clip_frac", "clip_frac_low", "clip_frac_high")
 
@@ -101,6 +108,14 @@ def trim_to_completions(mb: dict[str, torch.Tensor], prompt_len: int) -> dict[st
         else:
             out[k] = v
     return out
+
+
+def add_diff(acc: tuple[float, float, float] | None, a: torch.Tensor, b: torch.Tensor,
+             mask: torch.Tensor) -> tuple[float, float, float]:
+    """(Σ|a − b|, tokens, max |a − b|) over the mask, added to `acc`: a, b, mask [M, T]."""
+    d = (a.detach() - b).abs() * mask
+    s, n, m = acc or (0.0, 0.0, 0.0)
+    return s + d.sum().item(), n + mask.sum().item(), max(m, d.max().item() if d.numel() else 0.0)
 
 
 def accumulation_windows(minibatch_rows: list[torch.Tensor], lengths: torch.Tensor,
@@ -165,7 +180,14 @@ def policy_update(model, optimizer: torch.optim.Optimizer, batch: UpdateBatch, s
                 part = slice(start, start + len(own))  # this minibatch's rows of the chunk's forward
                 start += len(own)
                 mb = {k: v[part] for k, v in tensors.items()}
-                pg, parts = loss_fn(logp[part], mb["logp_old"], mb["adv"], mb["completion_mask"], s.loss)
+                weight = None
+                if s.engine_old and stats.optimizer_steps + stats.skipped_updates == 0:  # θ is still θ_old
+                    stats.engine_diff = add_diff(stats.engine_diff, logp[part], mb["logp_old"], mb["completion_mask"])
+                if s.mismatch != "none":
+                    proximal = logp[part].detach() if s.engine_old else mb["logp_old"]
+                    weight = mismatch_weights(proximal - mb["logp_engine"], mb["completion_mask"], s.mismatch,
+                                              s.mismatch_cap, in_ratio=s.engine_old and s.algo == "grpo")
+                pg, parts = loss_fn(logp[part], mb["logp_old"], mb["adv"], mb["completion_mask"], s.loss, weight)
                 kl = (masked_mean(kl_fn(logp[part], mb["logp_ref"]), mb["completion_mask"]) if s.kl_coef > 0
                       else torch.zeros((), device=pg.device))
                 row_share = len(own) / len(rows)  # 1 in one process

