@@ -118,8 +118,11 @@ def test_bench_no_trl_end_to_end(tiny_model_dir, one_thread_config, tmp_path, ca
     for value in (r["flop_limit_ratio"], r["flop_limit_s"], r["matmul_gflops"], r["n_params"], r["flop_limit_ratio_torch_mm"]):
         assert math.isfinite(value) and value > 0
     rates = r["matmul_gflops_by_kernel"]
-    assert "torch.mm" in rates and r["matmul_gflops"] == max(rates.values())  # the limit uses the fastest kernel
+    fp32 = {k: v for k, v in rates.items() if not k.endswith("_bf16")}
+    assert "torch.mm" in rates and "torch.mm_bf16" in rates
+    assert r["matmul_gflops"] == max(fp32.values())  # the limit uses the fastest kernel of llmrl's precision (fp32)
     assert r["flop_limit_ratio_torch_mm"] == pytest.approx(r["flop_limit_ratio"] * rates["torch.mm"] / r["matmul_gflops"])
+    assert r["flop_limit_ratio_bf16"] == pytest.approx(r["flop_limit_ratio"] * rates["torch.mm_bf16"] / r["matmul_gflops"])
     s = r["llmrl"]
     for key in ("step_s", "rollout_s", "update_s", "tokens_per_s", "peak_mb", "flop_limit_s", "flop_limit_ratio",
                 "mean_completion_tokens", "prompt_tokens_per_step"):
@@ -160,3 +163,23 @@ def test_trl_side_one_step(tiny_model_dir, one_thread_config, tmp_path):
     assert r["gradient_checkpointing"] is False  # like llmrl's cpu-bench
     r = bench.run_side("trl_checkpointing", child_values(values, 1), tmp_path / "trl_ckpt", quiet=True)
     assert r["gradient_checkpointing"] is True and len(r["steps"]) == 1  # TRL's own default
+
+
+def test_sweep_rows_carry_their_shape_and_forced_rows_have_exactly_their_length(tiny_model_dir, one_thread_config,
+                                                                                 tmp_path, monkeypatch):
+    import llmrl.bench as bench
+
+    monkeypatch.setattr(bench, "SWEEP", [(4, None, 24), (2, 6, 6)])  # the config's own row, and a forced 6-token row
+    out = tmp_path / "out.json"
+    args = parse(["--no_trl", "--sweep", "--steps", "1", "--model", tiny_model_dir, "--config", one_thread_config,
+                  "--json", str(out), "--matmul_seconds", "0.2"])
+    assert cmd_bench(args) == 0
+    rows = json.loads(out.read_text())["sweep"]
+    for row in rows:
+        for key in ("group_size", "min_new_tokens", "max_new_tokens", "step_s", "tokens_per_s", "flop_limit_ratio",
+                    "peak_mb"):
+            assert key in row and row[key] is not None, key
+    own, forced = rows
+    assert (own["group_size"], own["min_new_tokens"], own["max_new_tokens"]) == (4, cpu_bench()["min_new_tokens"], 24)
+    assert (forced["group_size"], forced["min_new_tokens"], forced["max_new_tokens"]) == (2, 6, 6)
+    assert forced["completion_tokens_per_step"] == cpu_bench()["batch_size"] * 2 * 6  # every completion exactly 6 tokens

@@ -137,7 +137,7 @@ def test_pickled_code_in_a_checkpoint_is_refused(tmp_path, reference):
     (ckpt / MANIFEST).unlink()
     _write_manifest(ckpt)  # even a checkpoint that verifies is never unpickled as code
     cfg = load_config(reference / "config.yaml")
-    model, _ = build_policy(cfg, resolve(cfg))
+    model, _, _ = build_policy(cfg, resolve(cfg))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     with pytest.raises(ConfigError, match="optimizer.pt"):
         load_checkpoint(ckpt, model, opt, torch.Generator())

@@ -60,7 +60,7 @@ def test_greedy_equals_the_hf_policy_after_sync_and_a_stale_engine_is_caught(vll
                              "max_new_tokens": 8, "max_prompt_tokens": 64, "batch_size": 3, "group_size": 3,
                              "minibatch_size": 3, "device": "cpu", "rollout_engine": "vllm", "lora_dropout": 0.0})
     plan = resolve(cfg)
-    model, tok = build_policy(cfg, plan)
+    model, tok, _ = build_policy(cfg, plan)
     engine = make_engine(cfg, plan, tok)
     hf_cfg = dataclasses.replace(cfg, rollout_engine="hf")
     hf = make_engine(hf_cfg, resolve(hf_cfg), tok)

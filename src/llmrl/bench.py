@@ -47,7 +47,8 @@ def cpu_bench() -> dict[str, Any]:
     return read_yaml(CPU_BENCH_YAML)
 
 # --sweep: (group_size, max_new_tokens) pairs; the first is the cpu-bench setting itself
-SWEEP = [(4, 24), (8, 24), (16, 24), (4, 64), (4, 128)]
+# (group_size, min_new_tokens, max_new_tokens): None = the config's min_new_tokens; min = max forces the length
+SWEEP = [(4, None, 24), (8, None, 24), (16, None, 24), (4, None, 64), (4, None, 128), (4, 128, 128), (4, 512, 512)]
 
 TRL_MISSING = 'TRL not installed: pip install "llmrl[bench]" (or run with --no_trl)'
 N_PARAMS_NOTE = "all parameters of the base model (LoRA adapters excluded), embeddings included, tied embeddings once"
@@ -107,18 +108,21 @@ def split_steps(steps: int, rounds: int) -> list[int]:
 def matmul_rates(n: int = 2048, seconds: float = 2.0) -> dict[str, float]:
     """The machine's fp32 matmul rate (FLOP/s) per kernel, each timed on two n×n matrices for about
     `seconds` after one untimed warm-up, 2·n³ FLOP per product: "torch.mm" (PyTorch's default, MKL
-    sgemm on x86) and, where this torch build has it, "onednn_packed" (oneDNN with a pre-packed
-    operand, what llmrl's frozen linears use on CPU). The FLOP limit uses the fastest."""
+    sgemm on x86), where this torch build has it "onednn_packed" (oneDNN with a pre-packed operand,
+    what llmrl's frozen linears use on CPU where it pays), and "torch.mm_bf16" (bf16 inputs). The FLOP
+    limit uses the fastest kernel of the precision llmrl trains in (fp32 on CPU)."""
     import torch
 
     from llmrl.models.packed_linear import onednn_available, pack_weight, packed_matmul
 
     a, b = torch.randn(n, n), torch.randn(n, n)
     c = torch.empty(n, n)
+    a16, b16 = a.bfloat16(), b.bfloat16()
     kernels = {"torch.mm": lambda: torch.mm(a, b, out=c)}
     if onednn_available():
         packed = pack_weight(b)
         kernels["onednn_packed"] = lambda: packed_matmul(a, packed, None)
+    kernels["torch.mm_bf16"] = lambda: torch.mm(a16, b16)  # AMX / AVX512_BF16 where the CPU has them
     rates = {}
     for name, run in kernels.items():
         run()
@@ -303,7 +307,7 @@ def run_bench(model: str | None = None, config: str | None = None, steps: int = 
 
             torch.set_num_threads(values["num_threads"])  # the children use the same thread count
         rates = matmul_rates(seconds=matmul_seconds)
-        flops = max(rates.values())  # the machine's rate: its fastest fp32 kernel
+        flops = max(v for k, v in rates.items() if not k.endswith("_bf16"))  # the fastest kernel of llmrl's fp32
         sides = ["llmrl"] + (["llmrl_vllm"] if rollout_engine == "vllm" else [])
         sides += [] if no_trl else ["trl"] + (["trl_checkpointing"] if trl_checkpointing else [])
         measured: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
@@ -325,7 +329,7 @@ def run_bench(model: str | None = None, config: str | None = None, steps: int = 
             "config": name, "model": values["model"], "steps": steps, "warmup_steps": warmup,
             "alternate": len(rounds), "matmul_gflops": flops / 1e9,
             "matmul_gflops_by_kernel": {k: v / 1e9 for k, v in rates.items()},
-            "matmul": "fastest of torch.mm and oneDNN packed, 2048x2048 fp32, 2*n^3 FLOP each",
+            "matmul": "fastest fp32 kernel (torch.mm, oneDNN packed), 2048x2048, 2*n^3 FLOP each; bf16 listed beside",
             "num_threads": values["num_threads"] or torch_threads(),
             "n_params": n_params["llmrl"], "n_params_counts": N_PARAMS_NOTE,
             "settings": {k: values[k] for k in cpu_bench() if k in values and k not in ("output_dir", "steps")},
@@ -346,6 +350,8 @@ def run_bench(model: str | None = None, config: str | None = None, steps: int = 
         result["flop_limit_ratio"] = result["llmrl"]["flop_limit_ratio"]
         # the same ratio against torch.mm's rate (how this figure was computed before oneDNN was measured)
         result["flop_limit_ratio_torch_mm"] = result["flop_limit_ratio"] * rates["torch.mm"] / flops
+        # the same ratio at the bf16 rate (what this CPU could do if the matmuls ran in bf16)
+        result["flop_limit_ratio_bf16"] = result["flop_limit_ratio"] * rates["torch.mm_bf16"] / flops
         result["flop_limit_s"] = result["llmrl"]["flop_limit_s"]
         result["sweep"] = run_sweep(values, steps, warmup, flops, result["llmrl"], root) if sweep else None
         done = True
@@ -360,18 +366,19 @@ def run_sweep(values: dict[str, Any], steps: int, warmup: int, flops: float, bas
     """llmrl only: seconds per step and per completion token as group size and max_new_tokens grow.
     The row with the config's own (group_size, max_new_tokens) reuses the main measurement."""
     rows = []
-    for group, max_new in SWEEP:
-        if (group, max_new) == (values["group_size"], values["max_new_tokens"]):
+    for group, min_new, max_new in SWEEP:
+        min_new = values["min_new_tokens"] if min_new is None else min_new
+        if (group, min_new, max_new) == (values["group_size"], values["min_new_tokens"], values["max_new_tokens"]):
             s = base
         else:
-            print(f"llmrl bench: sweep group_size {group}, max_new_tokens {max_new}: {warmup} warm-up + {steps} steps",
-                  file=sys.stderr, flush=True)
-            v = child_values(values, warmup + steps, group_size=group, max_new_tokens=max_new)
-            r = run_side("llmrl", v, root / f"sweep-g{group}-m{max_new}")
+            print(f"llmrl bench: sweep group_size {group}, new tokens {min_new}-{max_new}: {warmup} warm-up + {steps} "
+                  "steps", file=sys.stderr, flush=True)
+            v = child_values(values, warmup + steps, group_size=group, min_new_tokens=min_new, max_new_tokens=max_new)
+            r = run_side("llmrl", v, root / f"sweep-g{group}-m{min_new}-{max_new}")
             s = summarize(drop_warmup(r["steps"], warmup), r["max_rss_mb"], r["n_params"], v, flops)
         per_token = median([x["step_s"] / x["completion_tokens"] for x in s["steps"]])
-        rows.append({"group_size": group, "max_new_tokens": max_new, "step_s": s["step_s"],
-                     "completion_tokens_per_step": s["completion_tokens_per_step"],
+        rows.append({"group_size": group, "min_new_tokens": min_new, "max_new_tokens": max_new, "step_s": s["step_s"],
+                     "tokens_per_s": s["tokens_per_s"], "completion_tokens_per_step": s["completion_tokens_per_step"],
                      "s_per_completion_token": per_token, "flop_limit_ratio": s["flop_limit_ratio"],
                      "peak_mb": s["peak_mb"]})
     return rows
@@ -393,7 +400,8 @@ def format_report(r: dict[str, Any]) -> str:
     if r.get("speedup_vs_trl_checkpointing") is not None:
         speed += f" (trl_checkpointing: TRL's default gradient checkpointing on: {r['speedup_vs_trl_checkpointing']:.1f}x)"
     lines.append(f"speedup_vs_trl {speed}   flop_limit_ratio {r['flop_limit_ratio']:.1f} "
-                 f"(limit {r['flop_limit_s']:.2f} s/step; {r['flop_limit_ratio_torch_mm']:.1f} at torch.mm's rate)")
+                 f"(limit {r['flop_limit_s']:.2f} s/step; {r['flop_limit_ratio_torch_mm']:.1f} at torch.mm's rate, "
+                 f"{r['flop_limit_ratio_bf16']:.1f} at the bf16 rate)")
     if r.get("llmrl_vllm"):
         trl = f", {r['speedup_vllm_vs_trl']:.1f}x TRL" if r.get("speedup_vllm_vs_trl") else ""
         lines.append(f"llmrl_vllm: {r['vllm_vs_hf_step_ratio']:.2f}x llmrl (hf)'s s/step{trl}")
@@ -403,11 +411,12 @@ def format_report(r: dict[str, Any]) -> str:
                  f"tokens/completion)")
     if r.get("sweep"):
         lines.append("sweep (llmrl): cost as group size and max_new_tokens grow")
-        lines.append(f"{'group':>5} {'max_new':>7} {'s/step':>8} {'tok/step':>9} {'ms/token':>9} {'flop_ratio':>10}")
+        lines.append(f"{'group':>5} {'new tokens':>10} {'s/step':>8} {'tok/step':>9} {'ms/token':>9} {'flop_ratio':>10} "
+                     f"{'peak MB':>8}")
         for row in r["sweep"]:
-            lines.append(f"{row['group_size']:>5} {row['max_new_tokens']:>7} {row['step_s']:8.2f} "
-                         f"{row['completion_tokens_per_step']:9.0f} {1000 * row['s_per_completion_token']:9.1f} "
-                         f"{row['flop_limit_ratio']:10.1f}")
+            lines.append(f"{row['group_size']:>5} {str(row['min_new_tokens']) + '-' + str(row['max_new_tokens']):>10} "
+                         f"{row['step_s']:8.2f} {row['completion_tokens_per_step']:9.0f} "
+                         f"{1000 * row['s_per_completion_token']:9.1f} {row['flop_limit_ratio']:10.1f} {row['peak_mb']:8.0f}")
     return "\n".join(lines)
 
 
@@ -426,7 +435,8 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--trl_checkpointing", type=parse_bool, default=True, metavar="BOOL",
                    help="also run TRL with its default gradient checkpointing on (the other TRL side has it off, like llmrl) (default: true)")
     p.add_argument("--sweep", action="store_true",
-                   help="also time llmrl at group size 4, 8, 16 (max_new_tokens 24) and max_new_tokens 24, 64, 128 (group size 4)")
+                   help="also time llmrl at group size 4, 8, 16 (max_new_tokens 24), max_new_tokens 64, 128 (group size 4), "
+                        "and forced lengths min_new_tokens = max_new_tokens = 128, 512 (group size 4)")
     p.add_argument("--model", help="model to benchmark (default: the config's, smollm2-135m-instruct)")
     p.add_argument("--config", help="YAML file of config fields (default: the built-in cpu-bench config)")
     p.add_argument("--alternate", type=int, default=1, metavar="K",

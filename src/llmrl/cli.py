@@ -183,7 +183,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise ConfigError(f"--adapter {adapter}: no adapter_config.json there")
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    model, tokenizer = build_policy(cfg, resolve(cfg))
+    model, tokenizer, _ = build_policy(cfg, resolve(cfg))
     if adapter is not None:
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file

@@ -101,7 +101,7 @@ class TrainConfig:
     merge_lora_sampling: bool = doc(True, "merge LoRA into the base weights while sampling (exact weights restored after)")
     fuse_accumulation: bool | None = doc(None, "one forward for all minibatches of an optimizer step, and reference passes of that many rows (grad_accum_steps× activation memory; default: on for CPU, off on CUDA)")
     hash_dropout: bool = doc(True, "CPU: LoRA dropout masks from a vectorised keyed hash (same distribution; PyTorch's CPU dropout draws each element serially)")
-    onednn_linear: bool = doc(True, "CPU: frozen fp32 linears (base weights, LM head) run through oneDNN with pre-packed weights (~2x the rate of torch's default MKL sgemm here; holds packed copies of the frozen weights)")
+    onednn_linear: bool | None = doc(None, "CPU: frozen fp32 linears (base weights, LM head) through oneDNN with pre-packed weights (holds packed copies of the frozen weights); default: where a start-up measurement (~0.1 s) finds them at least 5 percent faster than F.linear on this CPU (2x on an AMD EPYC, no faster on an Intel Xeon with AMX)")
     keep_heap_memory: bool = doc(True, "CPU: glibc malloc keeps freed memory for reuse (no page faults for each step's activations; the process holds its peak memory)")
     shared_prefix: bool = doc(True, "run each prompt once for its group in the reference and training forwards (not with gradient_checkpointing)")
     # evaluation, logging, checkpoints
@@ -359,8 +359,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     return cfg
 
 
-def save_config(cfg: TrainConfig, path: Path) -> None:
-    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8")
+def save_config(cfg: TrainConfig, path: Path, resolved: list[str] = ()) -> None:
+    """The config as YAML; `resolved`: how this machine ran it (e.g. the kernel choice), as trailing comments."""
+    notes = "".join(f"# resolved here: {line}\n" for line in resolved)
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False) + notes, encoding="utf-8")
 
 
 @dataclass(frozen=True)
@@ -378,7 +380,8 @@ class Plan:
     fuse_accumulation: bool  # one training forward per optimizer window
     score_chunk: int  # rows per no-grad scoring forward (a window's rows when fused)
     hash_dropout: bool  # CPU: vectorised LoRA dropout masks
-    onednn_linear: bool  # CPU: frozen linears through oneDNN with pre-packed weights
+    onednn_linear: bool  # CPU: frozen linears through oneDNN with pre-packed weights (allowed)
+    measure_kernels: bool  # ... only where a start-up measurement finds them faster (onednn_linear unset)
     keep_heap_memory: bool  # CPU: glibc keeps freed memory for reuse
     gradient_checkpointing: bool
 
@@ -401,6 +404,7 @@ def resolve(cfg: TrainConfig) -> Plan:
         shared_prefix_scoring=cfg.fast and cfg.shared_prefix,
         shared_prefix_update=cfg.fast and cfg.shared_prefix and not cfg.gradient_checkpointing,
         fuse_accumulation=fuse, score_chunk=cfg.minibatch_size * (cfg.grad_accum_steps if fuse else 1),
-        hash_dropout=cfg.fast and cfg.hash_dropout and cpu, onednn_linear=cfg.fast and cfg.onednn_linear and cpu,
+        hash_dropout=cfg.fast and cfg.hash_dropout and cpu, onednn_linear=bool(cfg.fast and cfg.onednn_linear is not False and cpu),
+        measure_kernels=cfg.onednn_linear is None,
         keep_heap_memory=cfg.fast and cfg.keep_heap_memory and cpu, gradient_checkpointing=cfg.gradient_checkpointing,
     )

@@ -77,7 +77,7 @@ def load_policy(cfg, checkpoint: Path):
     from llmrl.training.run import build_policy
 
     plan = dataclasses.replace(resolve(cfg), onednn_linear=False, hash_dropout=False)  # plain linears: mergeable, exportable
-    model, tokenizer = build_policy(cfg, plan)
+    model, tokenizer, _ = build_policy(cfg, plan)
     set_peft_model_state_dict(model, load_file(checkpoint / "adapter_model.safetensors"))
     return model.eval(), tokenizer
 

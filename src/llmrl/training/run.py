@@ -8,6 +8,7 @@ so `--resume` continues the run.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -32,6 +33,7 @@ from llmrl.models.packed_linear import (
     install_packed_linears,
     onednn_available,
     packable_linears,
+    packing_pays,
 )
 from llmrl.rollout import RolloutEngine, Sampling, make_engine
 from llmrl.rollout.keyed import mix
@@ -84,18 +86,29 @@ class Run:
 
 
 def build_policy(cfg: TrainConfig, plan: Plan):
-    """(LoRA-wrapped model, tokenizer) for a config; LoRA init is seeded by cfg.seed."""
+    """(LoRA-wrapped model, tokenizer, kernel choice) for a config; LoRA init is seeded by cfg.seed.
+    The kernel choice is one line saying how the frozen linears run (recorded in the run's config)."""
     base, tokenizer = load_base_model(cfg.model, plan.device, plan.dtype)
     torch.manual_seed(cfg.seed)
     model = add_lora(base, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules, plan.gradient_checkpointing)
     if plan.hash_dropout:
         use_hash_dropout(model)  # same distribution, a vectorised mask
+    choice = "frozen linears: F.linear"
+    if plan.onednn_linear and plan.measure_kernels and packable_linears(model):
+        w = max((m.weight for m in packable_linears(model)), key=lambda t: t.numel())
+        pays, rates = packing_pays(*w.shape)
+        measured = ", ".join(f"{k} {v:.0f}" for k, v in rates.items())
+        choice = (f"frozen linears: {'oneDNN packed' if pays else 'F.linear'} (measured on {tuple(w.shape)}: "
+                  f"{measured or 'no oneDNN'} GFLOP/s)")
+        if not pays:
+            plan = dataclasses.replace(plan, onednn_linear=False)
     if plan.onednn_linear:
         free = available_memory_bytes()  # the packs copy the frozen weights twice: only if that fits easily
-        if not install_packed_linears(model, None if free is None else free // 2) and onednn_available() and packable_linears(model):
-            print("llmrl: not enough free memory for oneDNN packed weights; frozen linears stay on F.linear",
-                  file=sys.stderr)
-    return model, tokenizer
+        if install_packed_linears(model, None if free is None else free // 2):
+            choice = choice if plan.measure_kernels else "frozen linears: oneDNN packed (onednn_linear=true)"
+        elif onednn_available() and packable_linears(model):
+            choice = "frozen linears: F.linear (not enough free memory for oneDNN packed weights)"
+    return model, tokenizer, choice
 
 
 def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
@@ -159,7 +172,9 @@ def setup_run(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -
     if dist.is_main:
         prepare_run_dir(run_dir, resume, overwrite)
     dist.barrier()
-    model, tokenizer = build_policy(cfg, plan)
+    model, tokenizer, kernels = build_policy(cfg, plan)
+    if dist.is_main and plan.device.type == "cpu":
+        print(f"llmrl: {kernels}", file=sys.stderr)
     if dist.enabled:
         torch.manual_seed(mix(cfg.seed, 1 + dist.rank))  # per-rank stream for LoRA dropout
     report = getattr(task, "data_report", None)
@@ -179,7 +194,7 @@ def setup_run(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -
             print(f"llmrl: resuming {run_dir} from {checkpoint.name} (step {state['step']} of {cfg.steps})", file=sys.stderr)
         health = Health(**state.get("health", {}))
     if dist.is_main:
-        save_config(cfg, run_dir / CONFIG)
+        save_config(cfg, run_dir / CONFIG, resolved=[kernels] if plan.device.type == "cpu" else [])
     logger = RunLogger(run_dir, cfg.to_dict(), enabled=dist.is_main, use_wandb=cfg.wandb, project=cfg.wandb_project,
                        name=cfg.run_name, resume_step=start - 1 if checkpoint else None, use_tensorboard=cfg.tensorboard)
     engine = make_engine(cfg, plan, tokenizer)
