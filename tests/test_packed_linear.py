@@ -133,3 +133,39 @@ def test_peft_merge_and_unload_in_place_repacks_the_base_weights(tiny_model_dir)
         assert merged.model.layers[0].self_attn.q_proj is q and q.weight.data_ptr() == ptr  # edited in place
         got = sequence_logprobs(merged, ids, mask, 4)[0]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_packing_is_used_only_where_the_start_up_measurement_finds_it_faster(tiny_model_dir, monkeypatch, faster):
+    from llmrl.config import load_config, resolve
+    from llmrl.training.run import build_policy
+
+    seen = []
+
+    def measured(out_features, in_features, **kw):
+        seen.append((out_features, in_features))
+        return faster, {"F.linear": 100.0, "onednn_packed": 150.0 if faster else 90.0}
+
+    monkeypatch.setattr(packed_linear, "packing_pays", measured)
+    cfg = load_config(None, {"model": tiny_model_dir, "device": "cpu", "lora_r": 4})
+    assert cfg.onednn_linear is None  # the default: decide by measurement
+    model, _, choice = build_policy(cfg, resolve(cfg))
+    packed = [m for m in model.modules() if hasattr(m, "_llmrl_packs")]
+    # measured once, on the shape that holds most frozen weight: in the tiny Llama its LM head (vocab x 32)
+    assert seen == [(model.get_base_model().lm_head.weight.shape[0], 32)]
+    assert bool(packed) is (faster and onednn_available())
+    assert choice.startswith("frozen linears: " + ("oneDNN packed" if faster else "F.linear")) and "GFLOP/s" in choice
+    forced = load_config(None, {"model": tiny_model_dir, "device": "cpu", "lora_r": 4, "onednn_linear": False})
+    assert build_policy(forced, resolve(forced))[2] == "frozen linears: F.linear" and len(seen) == 1
+
+
+def test_the_kernel_choice_is_recorded_in_the_run_config(tmp_path, tiny_model_dir):
+    from helpers import cli, tiny_args
+
+    out = tmp_path / "run"
+    cli(*tiny_args(tiny_model_dir, out, "grpo", steps=1, eval_interval=0))
+    text = (out / "config.yaml").read_text()
+    assert "# resolved here: frozen linears: " in text
+    from llmrl.config import load_config
+
+    assert load_config(out / "config.yaml").steps == 1  # the note is a comment: the config still loads

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections import Counter
 import types
 
 import torch
@@ -203,3 +204,15 @@ def packing_pays(out_features: int, in_features: int, rows: tuple[int, ...] = (1
             times[name] += best
     rates = {name: flop / t / 1e9 for name, t in times.items()}
     return times["onednn_packed"] < 0.95 * times["F.linear"], rates
+
+
+def packing_pays_for(model: nn.Module) -> tuple[bool, str]:
+    """`packing_pays` on the shape that holds most of `model`'s frozen linear weights (an MLP matrix,
+    not the LM head): (pays, one line saying what was chosen and the measured rates)."""
+    weight: Counter = Counter()
+    for m in packable_linears(model):
+        weight[tuple(m.weight.shape)] += m.weight.numel()
+    shape = weight.most_common(1)[0][0]
+    pays, rates = packing_pays(*shape)
+    measured = ", ".join(f"{k} {v:.0f}" for k, v in rates.items()) or "no oneDNN"
+    return pays, f"frozen linears: {'oneDNN packed' if pays else 'F.linear'} (measured on {shape}: {measured} GFLOP/s)"

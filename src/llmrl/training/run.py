@@ -33,7 +33,7 @@ from llmrl.models.packed_linear import (
     install_packed_linears,
     onednn_available,
     packable_linears,
-    packing_pays,
+    packing_pays_for,
 )
 from llmrl.rollout import RolloutEngine, Sampling, make_engine
 from llmrl.rollout.keyed import mix
@@ -95,11 +95,7 @@ def build_policy(cfg: TrainConfig, plan: Plan):
         use_hash_dropout(model)  # same distribution, a vectorised mask
     choice = "frozen linears: F.linear"
     if plan.onednn_linear and plan.measure_kernels and packable_linears(model):
-        w = max((m.weight for m in packable_linears(model)), key=lambda t: t.numel())
-        pays, rates = packing_pays(*w.shape)
-        measured = ", ".join(f"{k} {v:.0f}" for k, v in rates.items())
-        choice = (f"frozen linears: {'oneDNN packed' if pays else 'F.linear'} (measured on {tuple(w.shape)}: "
-                  f"{measured or 'no oneDNN'} GFLOP/s)")
+        pays, choice = packing_pays_for(model)
         if not pays:
             plan = dataclasses.replace(plan, onednn_linear=False)
     if plan.onednn_linear:
