@@ -267,3 +267,40 @@ def test_hash_dropout_replaces_peft_lora_dropout(tiny_model_dir):
     torch.manual_seed(0)
     assert torch.equal(model(input_ids=ids).logits, a)
     assert not torch.equal(model(input_ids=ids).logits, a)  # a fresh mask each call
+
+
+def test_windows_over_the_token_budget_are_not_fused(policy):
+    """fuse_accumulation fuses a window only when its padded rows × columns fit fuse_token_budget (the
+    activation memory of one forward); above it, one forward per minibatch, and the very same update."""
+    from llmrl.algorithms.losses import LossSettings
+    from llmrl.training.update import UpdateBatch, UpdateSettings, padded_tokens, policy_update
+
+    model, tok = policy
+    r = sample(model, tok, MESSAGES, with_ref=False)
+    batch = UpdateBatch(input_ids=r.input_ids, attention_mask=r.attention_mask, completion_mask=r.completion_mask,
+                        logp_old=r.logp_old, logp_ref=None, adv=torch.linspace(-1, 1, 9),
+                        group=torch.arange(9) // 3, prompt_len=r.prompt_len, lengths=r.completion_lens)
+    window = [torch.tensor([0, 4]), torch.tensor([8, 2])]
+    assert padded_tokens(window, batch) == 4 * (r.prompt_len + int(r.completion_lens[[0, 4, 8, 2]].max()))
+    start = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
+    calls, results = [], {}
+    hook = model.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        for budget in (10**9, 1):
+            with torch.no_grad():
+                for k, v in model.named_parameters():
+                    if v.requires_grad:
+                        v.copy_(start[k])
+            model.zero_grad(set_to_none=True)
+            opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+            settings = UpdateSettings(algo="grpo", loss=LossSettings(), ppo_epochs=2, minibatch_size=2, grad_accum_steps=3,
+                                      kl_coef=0.0, kl_estimator="k3", max_grad_norm=1e9, fuse_accumulation=True,
+                                      fuse_token_budget=budget)
+            calls.clear()
+            policy_update(model, opt, batch, settings, torch.Generator().manual_seed(0))
+            results[budget] = (len(calls), {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad})
+    finally:
+        hook.remove()
+    (fused_calls, w_fused), (split_calls, w_split) = results[10**9], results[1]
+    assert (fused_calls, split_calls) == (4, 10)  # 4 windows fused; 10 minibatches one by one
+    assert max((w_fused[k] - w_split[k]).abs().max().item() for k in w_fused) <= 1e-5

@@ -35,7 +35,8 @@ class UpdateSettings:
     kl_estimator: str  # KL_ESTIMATORS key
     max_grad_norm: float
     shared_prefix: bool = False  # rows with the same `group` run their prompt once
-    fuse_accumulation: bool = False  # one forward per optimizer window instead of one per minibatch
+    fuse_accumulation: bool = False  # one forward per optimizer window instead of one per minibatch ...
+    fuse_token_budget: int = 4096  # ... when the window's padded rows × columns fit this (activation memory)
     mismatch: str = "none"  # training-inference mismatch correction (core.mismatch_weights); needs logp_engine
     mismatch_cap: float = 2.0
     engine_old: bool = False  # logp_old is the engine's (old_logprobs=engine): correct the loss's own ratio
@@ -118,6 +119,15 @@ def add_diff(acc: tuple[float, float, float] | None, a: torch.Tensor, b: torch.T
     return s + d.sum().item(), n + mask.sum().item(), max(m, d.max().item() if d.numel() else 0.0)
 
 
+def padded_tokens(window: list[torch.Tensor], batch: UpdateBatch) -> int:
+    """Rows × columns one fused forward over this rank's rows of `window` (global row ids per minibatch)
+    would run: the prompt block plus the longest scored completion among them."""
+    rows = torch.cat(window)
+    own = rows[(rows >= batch.offset) & (rows < batch.offset + batch.adv.shape[0])]
+    longest = int(batch.lengths[own].max()) if len(own) else 0
+    return len(own) * (batch.prompt_len + longest)
+
+
 def accumulation_windows(minibatch_rows: list[torch.Tensor], lengths: torch.Tensor,
                          grad_accum_steps: int) -> tuple[list[list[torch.Tensor]], int]:
     """Group the update's minibatches (all epochs, in order) into optimizer steps, as the starter does.
@@ -141,8 +151,9 @@ def policy_update(model, optimizer: torch.optim.Optimizer, batch: UpdateBatch, s
     token means), and the ranks' gradients are summed. loss = (pg + kl_coef·KL) / grad_accum_steps,
     KL the token mean of KL_ESTIMATORS[kl_estimator]; the minibatches of all epochs, in order, are
     accumulated into optimizer steps (accumulation_windows: empty ones skipped, a remainder flushed at
-    the end). One forward per chunk: a minibatch, or a whole window with fuse_accumulation (bigger
-    matmuls, each prompt once per window; the same losses and gradients). A non-finite loss or gradient
+    the end). One forward per chunk: a minibatch, or a whole window with fuse_accumulation when its
+    padded tokens fit fuse_token_budget (bigger matmuls, each prompt once per window; the same losses
+    and gradients). A non-finite loss or gradient
     norm skips that optimizer step. The learning rate is the optimizer's, as set by the caller.
     """
     dist = dist or Dist()
@@ -168,7 +179,8 @@ def policy_update(model, optimizer: torch.optim.Optimizer, batch: UpdateBatch, s
     windows, stats.empty_minibatches = accumulation_windows(minibatch_rows, lengths, s.grad_accum_steps)
     for window in windows:  # one optimizer step per window
         bad = False
-        for chunk in ([window] if s.fuse_accumulation else [[rows] for rows in window]):
+        fuse = s.fuse_accumulation and padded_tokens(window, batch) <= s.fuse_token_budget
+        for chunk in ([window] if fuse else [[rows] for rows in window]):
             owns = [rows[(rows >= batch.offset) & (rows < batch.offset + n_local)] for rows in chunk]  # this rank's
             if not any(len(own) for own in owns):
                 continue
