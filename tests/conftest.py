@@ -15,22 +15,30 @@ def embedded_path() -> str:
     return resolve_model_path("smollm2-135m-instruct")
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, embedded_path) -> str:
-    """A randomly initialised 2-layer Llama with the embedded model's tokenizer and chat template."""
+def save_tiny_llama(out, embedded_path: str, *, hidden: int, intermediate: int, heads: int, kv_heads: int,
+                    positions: int) -> str:
+    """Save a randomly initialised 2-layer Llama of these sizes, with the embedded model's tokenizer and
+    chat template, to `out`."""
     import torch
     from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(embedded_path)
     config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=positions,
+        tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    out = tmp_path_factory.mktemp("tiny-llama")
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, embedded_path) -> str:
+    """A randomly initialised 2-layer Llama (hidden 32) with the embedded model's tokenizer and chat template."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), embedded_path, hidden=32, intermediate=64, heads=4,
+                           kv_heads=2, positions=256)

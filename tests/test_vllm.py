@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("vllm", reason="the vllm engine is not installed (make vllm)")
 
+from conftest import save_tiny_llama  # noqa: E402
 from helpers import TESTS, assert_same_run, cli, read_jsonl, run_cli, tiny_args, train_records  # noqa: E402
 from llmrl.config import load_config, resolve  # noqa: E402
 from llmrl.rollout import add_logprobs, make_engine  # noqa: E402
@@ -23,23 +24,9 @@ ROOT = TESTS.parent
 
 @pytest.fixture(scope="module")
 def vllm_model_dir(tmp_path_factory, embedded_path) -> str:
-    """A randomly initialised 2-layer Llama that vLLM's CPU attention takes (head_dim 64), with the
-    embedded model's tokenizer and chat template."""
-    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(embedded_path)
-    config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    out = tmp_path_factory.mktemp("vllm-llama")
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return str(out)
+    """A tiny Llama that vLLM's CPU attention takes (head_dim 64)."""
+    return save_tiny_llama(tmp_path_factory.mktemp("vllm-llama"), embedded_path, hidden=128, intermediate=256, heads=2,
+                           kv_heads=1, positions=512)
 
 
 def vargs(model, out, steps=4, **extra):
