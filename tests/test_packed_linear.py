@@ -136,10 +136,12 @@ def test_peft_merge_and_unload_in_place_repacks_the_base_weights(tiny_model_dir)
 
 
 @pytest.mark.parametrize("faster", [True, False])
-def test_packing_is_used_only_where_the_start_up_measurement_finds_it_faster(tiny_model_dir, monkeypatch, faster):
+def test_packing_is_used_only_where_the_start_up_measurement_finds_it_faster(tiny_model_dir, monkeypatch, tmp_path,
+                                                                            faster):
     from llmrl.config import load_config, resolve
     from llmrl.training.run import build_policy
 
+    monkeypatch.setenv("LLMRL_CACHE", str(tmp_path))  # no verdict cached yet
     seen = []
 
     def measured(out_features, in_features, **kw):
@@ -157,6 +159,11 @@ def test_packing_is_used_only_where_the_start_up_measurement_finds_it_faster(tin
     assert choice.startswith("frozen linears: " + ("oneDNN packed" if faster else "F.linear")) and "GFLOP/s" in choice
     forced = load_config(None, {"model": tiny_model_dir, "device": "cpu", "lora_r": 4, "onednn_linear": False})
     assert build_policy(forced, resolve(forced))[2] == "frozen linears: F.linear" and len(seen) == 1
+    # the verdict is kept per machine: the next run makes the same choice without measuring again
+    assert (tmp_path / "kernels.json").exists()
+    again, _, choice_again = build_policy(cfg, resolve(cfg))
+    assert len(seen) == 1 and choice_again == choice
+    assert bool([m for m in again.modules() if hasattr(m, "_llmrl_packs")]) is bool(packed)
 
 
 def test_the_kernel_choice_is_recorded_in_the_run_config(tmp_path, tiny_model_dir):

@@ -208,11 +208,69 @@ def packing_pays(out_features: int, in_features: int, rows: tuple[int, ...] = (1
 
 def packing_pays_for(model: nn.Module) -> tuple[bool, str]:
     """`packing_pays` on the shape that holds most of `model`'s frozen linear weights (an MLP matrix,
-    not the LM head): (pays, one line saying what was chosen and the measured rates)."""
+    not the LM head): (pays, one line saying what was chosen and the measured rates).
+
+    The verdict is measured once per machine, shape and torch build and kept in the llmrl cache
+    (`kernels.json`), so every run here (a resumed one, a rerun, the reference of a comparison)
+    makes the same choice and computes the same numbers; delete the file to measure again."""
     weight: Counter = Counter()
     for m in packable_linears(model):
         weight[tuple(m.weight.shape)] += m.weight.numel()
     shape = weight.most_common(1)[0][0]
-    pays, rates = packing_pays(*shape)
-    measured = ", ".join(f"{k} {v:.0f}" for k, v in rates.items()) or "no oneDNN"
-    return pays, f"frozen linears: {'oneDNN packed' if pays else 'F.linear'} (measured on {shape}: {measured} GFLOP/s)"
+    path = _verdicts_path()
+    key = f"{_cpu_name()}|torch {torch.__version__}|{torch.get_num_threads()} threads|{shape[0]}x{shape[1]}"
+    verdicts = _read_json(path)
+    if key not in verdicts:
+        pays, rates = packing_pays(*shape)
+        verdicts[key] = {"pays": pays, "gflops": {k: round(v, 1) for k, v in rates.items()}}
+        _write_json(path, verdicts)
+    v = verdicts[key]
+    measured = ", ".join(f"{k} {r:.0f}" for k, r in v["gflops"].items()) or "no oneDNN"
+    return v["pays"], (f"frozen linears: {'oneDNN packed' if v['pays'] else 'F.linear'} (measured on {shape}: "
+                       f"{measured} GFLOP/s; {path})")
+
+
+def _verdicts_path():
+    from llmrl.models.loading import cache_root
+
+    return cache_root() / "kernels.json"
+
+
+def _cpu_name() -> str:
+    """The CPU's model name and number (/proc/cpuinfo), else the platform's processor string."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            fields = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        if "model name" in fields:
+            return f"{fields['model name']} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})"
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _read_json(path) -> dict:
+    import json
+
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_json(path, data: dict) -> None:
+    """Atomic write (a temporary file renamed), so concurrent runs never read half a file."""
+    import json
+    import os
+    import tempfile
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".kernels-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # an unwritable cache only means measuring again next time
