@@ -1,7 +1,12 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+# The suite's hand-worked numbers and tolerances are fp32: dtype=auto must not switch to bf16 on a CPU with
+# a bf16 unit (this process and the llmrl subprocesses it starts). bf16 tests ask for it by name.
+os.environ.setdefault("LLMRL_CPU_DTYPE", "float32")
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))  # toy_task for in-process runs

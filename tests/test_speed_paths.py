@@ -167,7 +167,7 @@ def test_fast_and_plain_paths_train_alike(tmp_path, tiny_model_dir):
     assert [x["completion"] for x in sa] == [x["completion"] for x in sb]
 
 
-@pytest.mark.parametrize("aggregate", ["seq_mean_token_mean", "token_mean"])
+@pytest.mark.parametrize("aggregate", ["seq_mean_token_mean", "token_mean", "seq_mean_token_sum"])
 def test_fused_accumulation_window_equals_separate_minibatches(policy, aggregate):
     """One forward for the minibatches of an optimizer step gives the same update as one per minibatch."""
     from llmrl.algorithms.losses import LossSettings
@@ -269,38 +269,57 @@ def test_hash_dropout_replaces_peft_lora_dropout(tiny_model_dir):
     assert not torch.equal(model(input_ids=ids).logits, a)  # a fresh mask each call
 
 
-def test_windows_over_the_token_budget_are_not_fused(policy):
-    """fuse_accumulation fuses a window only when its padded rows × columns fit fuse_token_budget (the
-    activation memory of one forward); above it, one forward per minibatch, and the very same update."""
+@pytest.mark.parametrize("aggregate", ["seq_mean_token_mean", "token_mean", "seq_mean_token_sum"])
+def test_forwards_over_the_token_budget_are_split_and_the_update_is_the_same(policy, aggregate):
+    """fuse_accumulation fuses a window only when its padded rows × columns fit token_budget (the
+    activation memory of one forward); above it, one forward per minibatch; a minibatch above it runs
+    in pieces of length-sorted rows. The same update and the same logged means every way."""
     from llmrl.algorithms.losses import LossSettings
-    from llmrl.training.update import UpdateBatch, UpdateSettings, padded_tokens, policy_update
+    from llmrl.training.update import UpdateBatch, UpdateSettings, budget_pieces, padded_tokens, policy_update
 
     model, tok = policy
-    r = sample(model, tok, MESSAGES, with_ref=False)
-    batch = UpdateBatch(input_ids=r.input_ids, attention_mask=r.attention_mask, completion_mask=r.completion_mask,
-                        logp_old=r.logp_old, logp_ref=None, adv=torch.linspace(-1, 1, 9),
-                        group=torch.arange(9) // 3, prompt_len=r.prompt_len, lengths=r.completion_lens)
+    r = sample(model, tok, MESSAGES, with_ref=True)
+    keep = torch.tensor([8, 3, 6, 1, 8, 5, 2, 7, 4])  # completions of several lengths (as if they had ended)
+    mask = r.completion_mask * (torch.arange(r.completion_mask.shape[1]) < r.prompt_len - 1 + keep[:, None])
+    lengths = mask.sum(1)
+    assert lengths.tolist() == keep.tolist()
+    batch = UpdateBatch(input_ids=r.input_ids, attention_mask=r.attention_mask, completion_mask=mask,
+                        logp_old=(r.logp_old - 0.07) * mask, logp_ref=r.logp_ref * mask,
+                        adv=torch.linspace(-1, 1, 9), group=torch.arange(9) // 3, prompt_len=r.prompt_len,
+                        lengths=lengths)
     window = [torch.tensor([0, 4]), torch.tensor([8, 2])]
-    assert padded_tokens(window, batch) == 4 * (r.prompt_len + int(r.completion_lens[[0, 4, 8, 2]].max()))
+    assert padded_tokens(torch.cat(window), batch) == 4 * (r.prompt_len + int(lengths[[0, 4, 8, 2]].max()))
+    rows = torch.arange(9)
+    width = r.prompt_len + int(lengths.max())
+    pieces = budget_pieces(rows, batch, 2 * width)  # the fewest near-equal pieces within the budget
+    assert [p.tolist() for p in pieces] == [[0, 4], [7, 2], [5, 8], [1, 6], [3]]  # by length 8 8 | 7 6 | 5 4 | 3 2 | 1
+    assert all(padded_tokens(p, batch) <= 2 * width for p in pieces)
+    assert [len(p) for p in budget_pieces(rows, batch, 4 * width)] == [3, 3, 3]  # 9 rows: 3 pieces, not 4 + 4 + 1
+    assert budget_pieces(rows, batch, 9 * width) == [rows]
     start = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
     calls, results = [], {}
     hook = model.register_forward_hook(lambda *a: calls.append(1))
     try:
-        for budget in (10**9, 1):
+        for budget in (10**9, 3 * width, 1):
             with torch.no_grad():
                 for k, v in model.named_parameters():
                     if v.requires_grad:
                         v.copy_(start[k])
             model.zero_grad(set_to_none=True)
             opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
-            settings = UpdateSettings(algo="grpo", loss=LossSettings(), ppo_epochs=2, minibatch_size=2, grad_accum_steps=3,
-                                      kl_coef=0.0, kl_estimator="k3", max_grad_norm=1e9, fuse_accumulation=True,
-                                      fuse_token_budget=budget)
+            settings = UpdateSettings(algo="grpo", loss=LossSettings(aggregate=aggregate), ppo_epochs=2, minibatch_size=2,
+                                      grad_accum_steps=3, kl_coef=0.1, kl_estimator="k3", max_grad_norm=1e9,
+                                      fuse_accumulation=True, token_budget=budget)
             calls.clear()
-            policy_update(model, opt, batch, settings, torch.Generator().manual_seed(0))
-            results[budget] = (len(calls), {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad})
+            stats = policy_update(model, opt, batch, settings, torch.Generator().manual_seed(0))
+            results[budget] = (len(calls), stats, {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad})
     finally:
         hook.remove()
-    (fused_calls, w_fused), (split_calls, w_split) = results[10**9], results[1]
-    assert (fused_calls, split_calls) == (4, 10)  # 4 windows fused; 10 minibatches one by one
-    assert max((w_fused[k] - w_split[k]).abs().max().item() for k in w_fused) <= 1e-5
+    (fused_calls, fused, w_fused), (mb_calls, by_mb, w_mb), (row_calls, by_row, w_row) = results.values()
+    assert (fused_calls, mb_calls, row_calls) == (4, 10, 18)  # 4 windows fused; 10 minibatches (a 2-row one fits, 6 rows do not); 18 rows
+    for w in (w_mb, w_row):
+        assert max((w_fused[k] - w[k]).abs().max().item() for k in w_fused) <= 1e-5
+    for st in (by_mb, by_row):
+        for key in ("loss", "pg_loss", "kl", "clip_frac"):
+            assert getattr(st, key) == pytest.approx(getattr(fused, key), rel=1e-4, abs=1e-7), key
+    assert fused.kl > 0 and fused.loss != 0

@@ -307,7 +307,12 @@ def run_bench(model: str | None = None, config: str | None = None, steps: int = 
 
             torch.set_num_threads(values["num_threads"])  # the children use the same thread count
         rates = matmul_rates(seconds=matmul_seconds)
-        flops = max(v for k, v in rates.items() if not k.endswith("_bf16"))  # the fastest kernel of llmrl's fp32
+        fp32_flops = max(v for k, v in rates.items() if not k.endswith("_bf16"))  # the fastest fp32 kernel
+        from llmrl.models.loading import pick_device, pick_dtype
+
+        dtype, precision = pick_dtype(values.get("dtype", "auto"), pick_device(values.get("device", "auto")))
+        bf16 = str(dtype) == "torch.bfloat16"
+        flops = rates["torch.mm_bf16"] if bf16 else fp32_flops  # the FLOP limit: the rate of llmrl's precision here
         sides = ["llmrl"] + (["llmrl_vllm"] if rollout_engine == "vllm" else [])
         sides += [] if no_trl else ["trl"] + (["trl_checkpointing"] if trl_checkpointing else [])
         measured: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
@@ -329,7 +334,9 @@ def run_bench(model: str | None = None, config: str | None = None, steps: int = 
             "config": name, "model": values["model"], "steps": steps, "warmup_steps": warmup,
             "alternate": len(rounds), "matmul_gflops": flops / 1e9,
             "matmul_gflops_by_kernel": {k: v / 1e9 for k, v in rates.items()},
-            "matmul": "fastest fp32 kernel (torch.mm, oneDNN packed), 2048x2048, 2*n^3 FLOP each; bf16 listed beside",
+            "matmul": ("torch.mm_bf16 (llmrl runs bf16 here)" if bf16 else "fastest fp32 kernel (torch.mm, oneDNN packed)")
+                      + ", 2048x2048, 2*n^3 FLOP each",
+            "precision": precision,
             "num_threads": values["num_threads"] or torch_threads(),
             "n_params": n_params["llmrl"], "n_params_counts": N_PARAMS_NOTE,
             "settings": {k: values[k] for k in cpu_bench() if k in values and k not in ("output_dir", "steps")},
@@ -350,7 +357,8 @@ def run_bench(model: str | None = None, config: str | None = None, steps: int = 
         result["flop_limit_ratio"] = result["llmrl"]["flop_limit_ratio"]
         # the same ratio against torch.mm's rate (how this figure was computed before oneDNN was measured)
         result["flop_limit_ratio_torch_mm"] = result["flop_limit_ratio"] * rates["torch.mm"] / flops
-        # the same ratio at the bf16 rate (what this CPU could do if the matmuls ran in bf16)
+        # ... at the fastest fp32 rate, and at the bf16 rate
+        result["flop_limit_ratio_fp32"] = result["flop_limit_ratio"] * fp32_flops / flops
         result["flop_limit_ratio_bf16"] = result["flop_limit_ratio"] * rates["torch.mm_bf16"] / flops
         result["flop_limit_s"] = result["llmrl"]["flop_limit_s"]
         result["sweep"] = run_sweep(values, steps, warmup, flops, result["llmrl"], root) if sweep else None
@@ -400,8 +408,9 @@ def format_report(r: dict[str, Any]) -> str:
     if r.get("speedup_vs_trl_checkpointing") is not None:
         speed += f" (trl_checkpointing: TRL's default gradient checkpointing on: {r['speedup_vs_trl_checkpointing']:.1f}x)"
     lines.append(f"speedup_vs_trl {speed}   flop_limit_ratio {r['flop_limit_ratio']:.1f} "
-                 f"(limit {r['flop_limit_s']:.2f} s/step; {r['flop_limit_ratio_torch_mm']:.1f} at torch.mm's rate, "
-                 f"{r['flop_limit_ratio_bf16']:.1f} at the bf16 rate)")
+                 f"(limit {r['flop_limit_s']:.2f} s/step at the {'bf16' if 'bf16' in r['matmul'] else 'fp32'} rate; "
+                 f"{r['flop_limit_ratio_fp32']:.1f} at the fp32 rate, {r['flop_limit_ratio_bf16']:.1f} at the bf16 rate, "
+                 f"{r['flop_limit_ratio_torch_mm']:.1f} at torch.mm's)")
     if r.get("llmrl_vllm"):
         trl = f", {r['speedup_vllm_vs_trl']:.1f}x TRL" if r.get("speedup_vllm_vs_trl") else ""
         lines.append(f"llmrl_vllm: {r['vllm_vs_hf_step_ratio']:.2f}x llmrl (hf)'s s/step{trl}")

@@ -87,7 +87,7 @@ class TrainConfig:
     lora_target_modules: list[str] = doc(LORA_TARGETS, "module names that get LoRA adapters (comma-separated)")
     gradient_checkpointing: bool = doc(True, "recompute activations in backward to save memory")
     device: str = doc("auto", "auto, cpu, cuda or cuda:N")
-    dtype: str = doc("auto", "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16 or float16")
+    dtype: str = doc("auto", "auto (bf16 on CUDA; on CPU bf16 where a native bf16 unit measures faster, else fp32), float32, bfloat16 or float16")
     num_threads: int = doc(0, "torch CPU threads (0 = torch's default)")
     dist_timeout: float = doc(600.0, "seconds a rank waits for the others in a collective before the run fails (torchrun)")
     rollout_engine: str = doc("hf", "rollout engine: hf (Hugging Face generate on the policy) or vllm (in-process vLLM, synced through a LoRA adapter every step; `make vllm` on CPU)")
@@ -365,6 +365,9 @@ def save_config(cfg: TrainConfig, path: Path, resolved: list[str] = ()) -> None:
     path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False) + notes, encoding="utf-8")
 
 
+CPU_TOKEN_BUDGET = 4096  # padded tokens per CPU forward: ~8 GB of training activations on the embedded model
+
+
 @dataclass(frozen=True)
 class Plan:
     """How a config runs on this machine, resolved once (`resolve`) and passed down: nothing below
@@ -372,13 +375,16 @@ class Plan:
 
     device: Any  # torch.device the policy lives on
     dtype: Any  # torch.dtype of the frozen base weights
+    precision: str  # one line: the dtype and why (auto: measured on CPU)
     engine: str  # rollout engine name (rollout.ENGINES)
     sampler_logp: bool  # old log-probs and entropies from the sampler's own logits (no second forward)
     merge_lora: bool  # LoRA merged into the base weights while sampling and in eval
     shared_prefix_scoring: bool  # no-grad old/ref passes run each prompt once for its group
     shared_prefix_update: bool  # the training forward too (not with gradient checkpointing)
     fuse_accumulation: bool  # one training forward per optimizer window
-    score_chunk: int  # rows per no-grad scoring forward (a window's rows when fused)
+    score_chunk: int  # rows per no-grad scoring forward (a window's rows when fused) ...
+    token_budget: int  # ... and at most this many padded tokens (rows × columns) per forward, scoring and
+    #   training alike (CPU: activation and logit memory at long completions; CUDA: no limit)
     hash_dropout: bool  # CPU: vectorised LoRA dropout masks
     onednn_linear: bool  # CPU: frozen linears through oneDNN with pre-packed weights (allowed)
     measure_kernels: bool  # ... only where a start-up measurement finds them faster (onednn_linear unset)
@@ -397,13 +403,17 @@ def resolve(cfg: TrainConfig) -> Plan:
         raise ConfigError(f"device={cfg.device}: no CUDA device is usable here (torch {torch.__version__}, "
                           f"cuda {torch.version.cuda or 'not compiled in'}); use --device cpu or auto")
     cpu = device.type == "cpu"
+    dtype, precision = pick_dtype(cfg.dtype, device)
     fuse = cfg.fast and (cfg.fuse_accumulation if cfg.fuse_accumulation is not None else cpu)
     return Plan(
-        device=device, dtype=pick_dtype(cfg.dtype, device), engine=cfg.rollout_engine,
-        sampler_logp=cfg.fast and cfg.logp_from_sampler, merge_lora=cfg.fast and cfg.merge_lora_sampling,
+        device=device, dtype=dtype, precision=precision, engine=cfg.rollout_engine,
+        # the sampler's decode-step logits match a full forward to ~1e-6 in fp32 only: in bf16 the old
+        # log-probs come from the same forward as the new ones, so the first ratio is exactly 1
+        sampler_logp=cfg.fast and cfg.logp_from_sampler and dtype == torch.float32, merge_lora=cfg.fast and cfg.merge_lora_sampling,
         shared_prefix_scoring=cfg.fast and cfg.shared_prefix,
         shared_prefix_update=cfg.fast and cfg.shared_prefix and not cfg.gradient_checkpointing,
         fuse_accumulation=fuse, score_chunk=cfg.minibatch_size * (cfg.grad_accum_steps if fuse else 1),
+        token_budget=CPU_TOKEN_BUDGET if cpu else 2**62,
         hash_dropout=cfg.fast and cfg.hash_dropout and cpu, onednn_linear=bool(cfg.fast and cfg.onednn_linear is not False and cpu),
         measure_kernels=cfg.onednn_linear is None,
         keep_heap_memory=cfg.fast and cfg.keep_heap_memory and cpu, gradient_checkpointing=cfg.gradient_checkpointing,

@@ -16,6 +16,7 @@ Same arithmetic up to summation order (outputs differ from F.linear by ~1e-6 rel
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections import Counter
 import types
@@ -217,17 +218,78 @@ def packing_pays_for(model: nn.Module) -> tuple[bool, str]:
     for m in packable_linears(model):
         weight[tuple(m.weight.shape)] += m.weight.numel()
     shape = weight.most_common(1)[0][0]
-    path = _verdicts_path()
-    key = f"{_cpu_name()}|torch {torch.__version__}|{torch.get_num_threads()} threads|{shape[0]}x{shape[1]}"
-    verdicts = _read_json(path)
-    if key not in verdicts:
-        pays, rates = packing_pays(*shape)
-        verdicts[key] = {"pays": pays, "gflops": {k: round(v, 1) for k, v in rates.items()}}
-        _write_json(path, verdicts)
-    v = verdicts[key]
+    v = _cached_verdict(f"{shape[0]}x{shape[1]}", lambda: packing_pays(*shape))
     measured = ", ".join(f"{k} {r:.0f}" for k, r in v["gflops"].items()) or "no oneDNN"
     return v["pays"], (f"frozen linears: {'oneDNN packed' if v['pays'] else 'F.linear'} (measured on {shape}: "
-                       f"{measured} GFLOP/s; {path})")
+                       f"{measured} GFLOP/s; {_verdicts_path()})")
+
+
+def _cached_verdict(what: str, measure) -> dict:
+    """{"pays", "gflops"} of a kernel comparison on this machine (CPU model, torch build, threads):
+    measured by `measure() -> (pays, rates)` the first time, read from `kernels.json` after."""
+    path = _verdicts_path()
+    key = f"{_cpu_name()}|torch {torch.__version__}|{torch.get_num_threads()} threads|{what}"
+    verdicts = _read_json(path)
+    if key not in verdicts:
+        pays, rates = measure()
+        verdicts[key] = {"pays": pays, "gflops": {k: round(v, 1) for k, v in rates.items()}}
+        _write_json(path, verdicts)
+    return verdicts[key]
+
+
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of a native bf16 multiply unit
+CPU_DTYPE_ENV = "LLMRL_CPU_DTYPE"  # float32 or bfloat16: what dtype=auto picks on CPU, without measuring
+
+
+def cpu_bf16_flags() -> list[str]:
+    """The native-bf16 flags this CPU reports (empty off Linux/x86 or without such a unit)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+    return [f for f in BF16_FLAGS if f in flags]
+
+
+def bf16_pays(out_features: int = 1536, in_features: int = 576, rows: tuple[int, ...] = (16, 256),
+              seconds: float = 0.02) -> tuple[bool, dict[str, float]]:
+    """Time F.linear in fp32 against bf16 on an [out, in] weight (the embedded model's MLP shape) for
+    inputs of `rows` rows: (bf16 is ≥ 1.5× faster over the sum, GFLOP/s per precision). With AMX
+    bf16 was 2-6× fp32 here; emulated bf16 is slower than fp32."""
+    g = torch.Generator().manual_seed(0)  # not the global stream: the trainer's RNG must not move
+    times, flop = {"fp32": 0.0, "bf16": 0.0}, 0.0
+    for m in rows:
+        flop += 2.0 * m * in_features * out_features
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            w = torch.randn(out_features, in_features, generator=g).to(dtype)
+            x = torch.randn(m, in_features, generator=g).to(dtype)
+            torch.nn.functional.linear(x, w)
+            best, t_end = float("inf"), time.perf_counter() + seconds
+            while time.perf_counter() < t_end:
+                t0 = time.perf_counter()
+                torch.nn.functional.linear(x, w)
+                best = min(best, time.perf_counter() - t0)
+            times[name] += best
+    return times["bf16"] < times["fp32"] / 1.5, {name: flop / t / 1e9 for name, t in times.items()}
+
+
+def cpu_auto_dtype() -> tuple[torch.dtype, str]:
+    """What `dtype: auto` runs the frozen base in on CPU, and one line saying why: bf16 where the CPU
+    has a native bf16 unit and a start-up measurement (cached like the packing verdict) finds bf16
+    matmuls ≥ 1.5× faster than fp32; fp32 otherwise. LLMRL_CPU_DTYPE=float32|bfloat16 decides instead."""
+    forced = os.environ.get(CPU_DTYPE_ENV, "").strip()
+    if forced:
+        if forced not in ("float32", "bfloat16"):
+            raise ValueError(f"{CPU_DTYPE_ENV}={forced!r}: must be float32 or bfloat16")
+        return getattr(torch, forced), f"precision: {forced} ({CPU_DTYPE_ENV}={forced})"
+    flags = cpu_bf16_flags()
+    if not flags:
+        return torch.float32, "precision: float32 (this CPU has no native bf16 unit: no amx_bf16 / avx512_bf16 flag)"
+    v = _cached_verdict("bf16 vs fp32 1536x576", bf16_pays)
+    rates = ", ".join(f"{k} {r:.0f}" for k, r in v["gflops"].items())
+    dtype = torch.bfloat16 if v["pays"] else torch.float32
+    return dtype, (f"precision: {'bfloat16 base weights and activations, fp32 LoRA, optimizer and log-softmax' if v['pays'] else 'float32'} "
+                   f"({'+'.join(flags)}; measured F.linear {rates} GFLOP/s; {_verdicts_path()})")
 
 
 def _verdicts_path():

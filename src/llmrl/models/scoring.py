@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from transformers.cache_utils import DynamicCache
@@ -113,12 +113,20 @@ def chunked_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]) if with_entropy else None
 
 
-def sampler_logprobs(logits: torch.Tensor, sequences: torch.Tensor, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sampler_logprobs(logits: Sequence[torch.Tensor], sequences: torch.Tensor, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """log π(token) and the token entropies at temperature 1 from the sampler's raw logits, laid out
-    like `sequence_logprobs`: logits [N, T, V], sequences [N, P+T] → two [N, P+T-1] (0 over the prompt)."""
-    all_logp = torch.log_softmax(logits.float(), dim=-1)  # [N, T, V]: one softmax serves both
-    logp = all_logp.gather(-1, sequences[:, prompt_len:, None]).squeeze(-1)  # [N, T]
-    return per_token(logp, prompt_len), per_token(entropy_of_logprobs(all_logp), prompt_len)
+    like `sequence_logprobs`: logits T × [N, V] (one per generated position, as `generate` returns
+    them), sequences [N, P+T] → two [N, P+T-1] (0 over the prompt).
+
+    One position at a time, so the only [N, T, V] tensor is the one `generate` already holds (no
+    stacked copy, no full-size log-softmax: at 512 tokens × 16 rows × 49k vocab each would be 1.6 GB)."""
+    logp = torch.empty(sequences.shape[0], len(logits), device=sequences.device)
+    entropy = torch.empty_like(logp)
+    for t, step_logits in enumerate(logits):
+        all_logp = torch.log_softmax(step_logits.float(), dim=-1)  # [N, V]: one softmax serves both
+        logp[:, t] = all_logp.gather(-1, sequences[:, prompt_len + t, None]).squeeze(-1)
+        entropy[:, t] = entropy_of_logprobs(all_logp)
+    return per_token(logp, prompt_len), per_token(entropy, prompt_len)
 
 
 @contextlib.contextmanager

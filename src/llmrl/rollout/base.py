@@ -114,11 +114,14 @@ class RolloutEngine(Protocol):
         prompt-major, number cut at max_new_tokens)."""
 
 
-def add_logprobs(model, r: Rollout, *, chunk: int, group_size: int, shared_prefix: bool, with_ref: bool) -> Rollout:
+def add_logprobs(model, r: Rollout, *, chunk: int, group_size: int, shared_prefix: bool, with_ref: bool,
+                 token_budget: int = 2**62) -> Rollout:
     """Fill r.logp_old (when the engine did not) and r.logp_ref (LoRA disabled, when `with_ref`) with
-    no-grad forwards of `chunk` rows (rounded up to whole groups with `shared_prefix`, where each prompt
-    runs once for its group); mask both, and the entropies, to the completion tokens."""
+    no-grad forwards of `chunk` rows, fewer where chunk × L would pass `token_budget` (rounded up to whole
+    groups with `shared_prefix`, where each prompt runs once for its group); mask both, and the
+    entropies, to the completion tokens."""
     group = torch.arange(r.input_ids.shape[0], device=r.input_ids.device) // group_size if shared_prefix else None
+    chunk = max(1, min(chunk, token_budget // r.input_ids.shape[1]))
     chunk = -(-chunk // group_size) * group_size if shared_prefix else chunk  # a chunk holds whole groups
     with inference_mode(model):  # no LoRA dropout while scoring the behaviour policy
         if r.logp_old is None:

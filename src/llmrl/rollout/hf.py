@@ -36,9 +36,9 @@ def greedy_config(tokenizer, eos: list[int], *, repetition_penalty: float, min_n
 def generate(
     model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int, gen_config: GenerationConfig,
     sampler: KeyedSampler | None = None, with_logits: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """`group_size` completions per prompt: [B, P] → (sequences [B*G, P+T] prompt-major, and with
-    `with_logits` the raw (temperature-1, unprocessed) logits of each generated position [B*G, T, V]).
+    `with_logits` the raw (temperature-1, unprocessed) logits of each generated position: T × [B*G, V]).
 
     The prompt minus its last token is prefilled once per prompt; the cache is repeated G times and
     `generate` continues from it, which gives the same tokens as generating from the repeated prompts.
@@ -60,8 +60,7 @@ def generate(
         generation_config=gen_config,
         logits_processor=LogitsProcessorList([sampler]) if sampler is not None else None,
     )
-    logits = torch.stack(out.logits, dim=1) if with_logits else None
-    return out.sequences, logits
+    return out.sequences, (out.logits if with_logits else None)
 
 
 class HFEngine:
@@ -110,7 +109,7 @@ class HFEngine:
         sampler = KeyedSampler(keys, prompt_len, s.temperature, s.top_p, s.top_k)
         with inference_mode(model), merged_lora(model, self.merge_lora):  # no LoRA dropout while sampling
             sequences, logits = generate(model, prompt_ids, prompt_mask, group_size, config, sampler,
-                                         with_logits=with_logits)  # [N, L], [N, T, V]
+                                         with_logits=with_logits)  # [N, L], T × [N, V]
         attention = torch.ones_like(sequences)
         attention[:, :prompt_len] = prompt_mask.repeat_interleave(group_size, 0)
         mask, ended = completion_mask(sequences, prompt_len, config.eos_token_id)

@@ -8,7 +8,6 @@ so `--resume` continues the run.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -27,7 +26,7 @@ from llmrl.config import Plan, TrainConfig, resolve, resume_differences, save_co
 from llmrl.errors import ConfigError, RunStopped
 from llmrl.logger import RunLogger
 from llmrl.model_card import model_card
-from llmrl.models.loading import add_lora, load_base_model
+from llmrl.models.loading import add_lora, contiguous_lm_head_input, load_base_model, run_in_bf16_autocast
 from llmrl.models.packed_linear import (
     available_memory_bytes,
     install_packed_linears,
@@ -93,16 +92,15 @@ def build_policy(cfg: TrainConfig, plan: Plan):
     model = add_lora(base, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules, plan.gradient_checkpointing)
     if plan.hash_dropout:
         use_hash_dropout(model)  # same distribution, a vectorised mask
+    contiguous_lm_head_input(model)
+    if plan.device.type == "cpu" and plan.dtype == torch.bfloat16:
+        run_in_bf16_autocast(model)
     choice = "frozen linears: F.linear"
-    if plan.onednn_linear and plan.measure_kernels and packable_linears(model):
-        pays, choice = packing_pays_for(model)
-        if not pays:
-            plan = dataclasses.replace(plan, onednn_linear=False)
-    if plan.onednn_linear:
+    if plan.onednn_linear and onednn_available() and packable_linears(model):
+        pays, choice = (packing_pays_for(model) if plan.measure_kernels  # measured once per machine (kernels.json)
+                        else (True, "frozen linears: oneDNN packed (onednn_linear=true)"))
         free = available_memory_bytes()  # the packs copy the frozen weights twice: only if that fits easily
-        if install_packed_linears(model, None if free is None else free // 2):
-            choice = choice if plan.measure_kernels else "frozen linears: oneDNN packed (onednn_linear=true)"
-        elif onednn_available() and packable_linears(model):
+        if pays and not install_packed_linears(model, None if free is None else free // 2):
             choice = "frozen linears: F.linear (not enough free memory for oneDNN packed weights)"
     return model, tokenizer, choice
 
@@ -170,7 +168,7 @@ def setup_run(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -
     dist.barrier()
     model, tokenizer, kernels = build_policy(cfg, plan)
     if dist.is_main and plan.device.type == "cpu":
-        print(f"llmrl: {kernels}", file=sys.stderr)
+        print(f"llmrl: {plan.precision}\nllmrl: {kernels}", file=sys.stderr)
     if dist.enabled:
         torch.manual_seed(mix(cfg.seed, 1 + dist.rank))  # per-rank stream for LoRA dropout
     report = getattr(task, "data_report", None)
@@ -190,7 +188,7 @@ def setup_run(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -
             print(f"llmrl: resuming {run_dir} from {checkpoint.name} (step {state['step']} of {cfg.steps})", file=sys.stderr)
         health = Health(**state.get("health", {}))
     if dist.is_main:
-        save_config(cfg, run_dir / CONFIG, resolved=[kernels] if plan.device.type == "cpu" else [])
+        save_config(cfg, run_dir / CONFIG, resolved=[plan.precision, kernels] if plan.device.type == "cpu" else [plan.precision])
     logger = RunLogger(run_dir, cfg.to_dict(), enabled=dist.is_main, use_wandb=cfg.wandb, project=cfg.wandb_project,
                        name=cfg.run_name, resume_step=start - 1 if checkpoint else None, use_tensorboard=cfg.tensorboard)
     engine = make_engine(cfg, plan, tokenizer)

@@ -101,7 +101,8 @@ def sample_and_score(run: Run, step: int) -> Sampled:
                                   seed=step_seed(cfg.seed, step) + 7_777 * rounds, first_prompt=first)
         if cfg.old_logprobs == "engine":  # vLLM's own sampled-token log-probs are the behaviour policy
             out.logp_old = out.engine_logp
-        out = add_logprobs(run.model, out, chunk=plan.score_chunk, group_size=g, shared_prefix=plan.shared_prefix_scoring,
+        out = add_logprobs(run.model, out, chunk=plan.score_chunk, token_budget=plan.token_budget, group_size=g,
+                           shared_prefix=plan.shared_prefix_scoring,
                            with_ref=cfg.kl_coef > 0)
         owners = [ex for ex in examples for _ in range(g)]  # prompt-major, like the completions
         scores = score(run.task, owners, out.texts, strict=cfg.strict_rewards, where=f"step {step}")
@@ -148,7 +149,7 @@ def update_settings(run: Run) -> UpdateSettings:
         algo=cfg.algo, loss=cfg.loss_settings, ppo_epochs=cfg.ppo_epochs, minibatch_size=cfg.minibatch_size,
         grad_accum_steps=cfg.grad_accum_steps, kl_coef=0.0 if cfg.kl_in_reward else cfg.kl_coef,
         kl_estimator=cfg.kl_estimator, max_grad_norm=cfg.max_grad_norm, shared_prefix=run.plan.shared_prefix_update,
-        fuse_accumulation=run.plan.fuse_accumulation, mismatch=cfg.mismatch_correction, mismatch_cap=cfg.mismatch_cap,
+        fuse_accumulation=run.plan.fuse_accumulation, token_budget=run.plan.token_budget, mismatch=cfg.mismatch_correction, mismatch_cap=cfg.mismatch_cap,
         engine_old=cfg.old_logprobs == "engine",
     )
 

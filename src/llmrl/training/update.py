@@ -36,7 +36,8 @@ class UpdateSettings:
     max_grad_norm: float
     shared_prefix: bool = False  # rows with the same `group` run their prompt once
     fuse_accumulation: bool = False  # one forward per optimizer window instead of one per minibatch ...
-    fuse_token_budget: int = 4096  # ... when the window's padded rows × columns fit this (activation memory)
+    token_budget: int = 2**62  # ... when the window's padded rows × columns fit this; a minibatch over it
+    #   runs as several forwards of length-sorted rows (activation and logit memory at long completions)
     mismatch: str = "none"  # training-inference mismatch correction (core.mismatch_weights); needs logp_engine
     mismatch_cap: float = 2.0
     engine_old: bool = False  # logp_old is the engine's (old_logprobs=engine): correct the loss's own ratio
@@ -119,13 +120,46 @@ def add_diff(acc: tuple[float, float, float] | None, a: torch.Tensor, b: torch.T
     return s + d.sum().item(), n + mask.sum().item(), max(m, d.max().item() if d.numel() else 0.0)
 
 
-def padded_tokens(window: list[torch.Tensor], batch: UpdateBatch) -> int:
-    """Rows × columns one fused forward over this rank's rows of `window` (global row ids per minibatch)
-    would run: the prompt block plus the longest scored completion among them."""
-    rows = torch.cat(window)
-    own = rows[(rows >= batch.offset) & (rows < batch.offset + batch.adv.shape[0])]
-    longest = int(batch.lengths[own].max()) if len(own) else 0
-    return len(own) * (batch.prompt_len + longest)
+def own_rows(rows: torch.Tensor, batch: UpdateBatch) -> torch.Tensor:
+    """This rank's rows among global `rows` [M] (all of them in one process)."""
+    return rows[(rows >= batch.offset) & (rows < batch.offset + batch.adv.shape[0])]
+
+
+def padded_tokens(rows: torch.Tensor, batch: UpdateBatch) -> int:
+    """Rows × columns one forward over global `rows` (this rank's) runs: the prompt block plus the
+    longest scored completion among them."""
+    longest = int(batch.lengths[rows].max()) if len(rows) else 0
+    return len(rows) * (batch.prompt_len + longest)
+
+
+def budget_pieces(rows: torch.Tensor, batch: UpdateBatch, token_budget: int) -> list[torch.Tensor]:
+    """Split this rank's `rows` [M] of one minibatch into forwards of at most `token_budget` padded
+    tokens where possible (one row always runs): all of them, in order, when they fit; else sorted
+    longest first (each forward pads to rows of similar length) and cut into the fewest pieces of
+    near-equal row counts that fit. The pieces partition `rows`."""
+    if padded_tokens(rows, batch) <= token_budget:
+        return [rows]
+    ordered = rows[torch.argsort(batch.lengths[rows], descending=True, stable=True)]
+    for k in range(2, len(ordered) + 1):
+        pieces = list(ordered.tensor_split(k))
+        if all(padded_tokens(p, batch) <= token_budget for p in pieces):
+            return pieces
+    return list(ordered.tensor_split(len(ordered)))
+
+
+def window_forwards(window: list[torch.Tensor], batch: UpdateBatch, fuse: bool,
+                    token_budget: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The forwards of one optimizer window (global row ids per minibatch), each a list of
+    (minibatch rows, the rows of it this forward runs): with `fuse` and within the budget, one forward
+    for the whole window; otherwise each minibatch alone, in `budget_pieces` when it is over the budget.
+    Minibatches without rows on this rank are left out."""
+    owns = [(rows, own_rows(rows, batch)) for rows in window]
+    owns = [(rows, own) for rows, own in owns if len(own)]
+    if not owns:
+        return []
+    if fuse and padded_tokens(torch.cat([own for _, own in owns]), batch) <= token_budget:
+        return [owns]
+    return [[(rows, piece)] for rows, own in owns for piece in budget_pieces(own, batch, token_budget)]
 
 
 def accumulation_windows(minibatch_rows: list[torch.Tensor], lengths: torch.Tensor,
@@ -151,15 +185,15 @@ def policy_update(model, optimizer: torch.optim.Optimizer, batch: UpdateBatch, s
     token means), and the ranks' gradients are summed. loss = (pg + kl_coef·KL) / grad_accum_steps,
     KL the token mean of KL_ESTIMATORS[kl_estimator]; the minibatches of all epochs, in order, are
     accumulated into optimizer steps (accumulation_windows: empty ones skipped, a remainder flushed at
-    the end). One forward per chunk: a minibatch, or a whole window with fuse_accumulation when its
-    padded tokens fit fuse_token_budget (bigger matmuls, each prompt once per window; the same losses
-    and gradients). A non-finite loss or gradient
+    the end). One forward per minibatch, or per window with fuse_accumulation (bigger matmuls, each
+    prompt once per window), within token_budget padded tokens (`window_forwards`: a minibatch over it
+    runs in pieces); the same losses and gradients either way. A non-finite loss or gradient
     norm skips that optimizer step. The learning rate is the optimizer's, as set by the caller.
     """
     dist = dist or Dist()
     params = [p for p in model.parameters() if p.requires_grad]
     loss_fn, kl_fn = LOSSES[s.algo], KL_ESTIMATORS[s.kl_estimator]
-    n_local, lengths = batch.adv.shape[0], batch.lengths
+    lengths = batch.lengths
     stats = UpdateStats()
     sums = dict.fromkeys(UpdateStats.MEAN_FIELDS, 0.0)
     grad_norms: list[float] = []
@@ -179,18 +213,13 @@ def policy_update(model, optimizer: torch.optim.Optimizer, batch: UpdateBatch, s
     windows, stats.empty_minibatches = accumulation_windows(minibatch_rows, lengths, s.grad_accum_steps)
     for window in windows:  # one optimizer step per window
         bad = False
-        fuse = s.fuse_accumulation and padded_tokens(window, batch) <= s.fuse_token_budget
-        for chunk in ([window] if fuse else [[rows] for rows in window]):
-            owns = [rows[(rows >= batch.offset) & (rows < batch.offset + n_local)] for rows in chunk]  # this rank's
-            if not any(len(own) for own in owns):
-                continue
-            tensors, logp = forward(torch.cat(owns))
+        minibatches += sum(1 for rows in window if len(own_rows(rows, batch)))
+        for chunk in window_forwards(window, batch, s.fuse_accumulation, s.token_budget):
+            tensors, logp = forward(torch.cat([piece for _, piece in chunk]))
             chunk_loss, start = 0.0, 0
-            for rows, own in zip(chunk, owns):
-                if not len(own):
-                    continue
-                part = slice(start, start + len(own))  # this minibatch's rows of the chunk's forward
-                start += len(own)
+            for rows, piece in chunk:
+                part = slice(start, start + len(piece))  # these rows of the chunk's forward
+                start += len(piece)
                 mb = {k: v[part] for k, v in tensors.items()}
                 weight = None
                 if s.engine_old and stats.optimizer_steps + stats.skipped_updates == 0:  # θ is still θ_old
@@ -202,18 +231,21 @@ def policy_update(model, optimizer: torch.optim.Optimizer, batch: UpdateBatch, s
                 pg, parts = loss_fn(logp[part], mb["logp_old"], mb["adv"], mb["completion_mask"], s.loss, weight)
                 kl = (masked_mean(kl_fn(logp[part], mb["logp_ref"]), mb["completion_mask"]) if s.kl_coef > 0
                       else torch.zeros((), device=pg.device))
-                row_share = len(own) / len(rows)  # 1 in one process
-                token_share = (lengths[own].sum() / lengths[rows].sum().clamp(min=1)).item()
-                pg_share = token_share if s.loss.aggregate == "token_mean" else row_share
+                # this forward's share of the minibatch's loss (1 in one process, unless split by the budget)
+                token_share = (lengths[piece].sum() / lengths[rows].sum().clamp(min=1)).item()
+                pg_share = token_share if s.loss.aggregate == "token_mean" else len(piece) / len(rows)
                 loss = (pg * pg_share + s.kl_coef * kl * token_share) / s.grad_accum_steps
                 bad = bad or not bool(torch.isfinite(loss))
                 chunk_loss = chunk_loss + loss
-                minibatches += 1
-                sums["loss"] += (pg + s.kl_coef * kl).item()
-                sums["pg_loss"] += pg.item()
-                sums["kl"] += kl.item()
+                # logged means are this rank's: weight a piece by its share of the rank's rows (or tokens)
+                own = own_rows(rows, batch)
+                tok_w = 1.0 if len(piece) == len(own) else (lengths[piece].sum() / lengths[own].sum().clamp(min=1)).item()
+                pg_w = tok_w if s.loss.aggregate == "token_mean" else len(piece) / len(own)
+                sums["loss"] += (pg * pg_w + s.kl_coef * kl * tok_w).item()
+                sums["pg_loss"] += pg_w * pg.item()
+                sums["kl"] += tok_w * kl.item()
                 for key in ("clip_frac", "clip_frac_low", "clip_frac_high"):
-                    sums[key] += parts.get(key, 0.0)
+                    sums[key] += tok_w * parts.get(key, 0.0)
             if not bad:
                 chunk_loss.backward()
         bad = all_reduce_grads(params, bad, dist)

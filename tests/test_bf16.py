@@ -1,0 +1,133 @@
+"""bf16 on CPU: the auto precision choice, bf16 vs fp32 log-probs, and old = new log-probs at θ_old."""
+
+import pytest
+import torch
+
+from llmrl.models import packed_linear
+from llmrl.models.scoring import chunked_logprobs, sequence_logprobs, shared_prefix_logprobs
+
+MESSAGES = [[{"role": "user", "content": "Copy: alpha beta gamma"}],
+            [{"role": "user", "content": "Repeat the words seven, eight"}],
+            [{"role": "user", "content": "Say <answer>ok</answer> please, and nothing else"}]]
+
+
+def policy(tiny_model_dir, dtype: str, **overrides):
+    from llmrl.config import load_config, resolve
+    from llmrl.training.run import build_policy
+
+    cfg = load_config(None, {"model": tiny_model_dir, "device": "cpu", "lora_r": 4, "dtype": dtype,
+                             "lora_dropout": 0.0, "gradient_checkpointing": False, **overrides})
+    plan = resolve(cfg)
+    model, tok, _ = build_policy(cfg, plan)
+    with torch.no_grad():  # a LoRA that changes the outputs (B starts at zero)
+        g = torch.Generator().manual_seed(3)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return model, tok, plan
+
+
+def sequences(tok, n=7, prompt=11, completion=13):
+    """[n, prompt + completion] token ids, the first rows left-padded, and their mask."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, tok.vocab_size, (n, prompt + completion), generator=g)
+    mask = torch.ones_like(ids)
+    for i, pad in enumerate([3, 1, 0, 0, 2, 0, 0][:n]):
+        mask[i, :pad] = 0
+        ids[i, :pad] = tok.pad_token_id
+    return ids, mask, prompt
+
+
+def test_auto_picks_bf16_only_with_a_native_unit_that_measures_faster(monkeypatch, tmp_path):
+    monkeypatch.setenv("LLMRL_CACHE", str(tmp_path))
+    monkeypatch.delenv(packed_linear.CPU_DTYPE_ENV, raising=False)
+    seen = []
+
+    def measured(faster):
+        def run(**kw):
+            seen.append(1)
+            return faster, {"fp32": 300.0, "bf16": 1500.0 if faster else 250.0}
+        return run
+
+    monkeypatch.setattr(packed_linear, "cpu_bf16_flags", lambda: [])
+    monkeypatch.setattr(packed_linear, "bf16_pays", measured(True))
+    dtype, line = packed_linear.cpu_auto_dtype()
+    assert dtype == torch.float32 and "no native bf16 unit" in line and not seen  # no unit: not even measured
+    monkeypatch.setattr(packed_linear, "cpu_bf16_flags", lambda: ["amx_bf16"])
+    dtype, line = packed_linear.cpu_auto_dtype()
+    assert dtype == torch.bfloat16 and "bf16 1500" in line and seen == [1]
+    monkeypatch.setattr(packed_linear, "bf16_pays", measured(False))
+    assert packed_linear.cpu_auto_dtype()[0] == torch.bfloat16 and seen == [1]  # the cached verdict, not a new one
+    (tmp_path / "kernels.json").unlink()
+    assert packed_linear.cpu_auto_dtype()[0] == torch.float32 and seen == [1, 1]  # measured slower: fp32
+    for forced, want in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        monkeypatch.setenv(packed_linear.CPU_DTYPE_ENV, forced)
+        assert packed_linear.cpu_auto_dtype() == (want, f"precision: {forced} (LLMRL_CPU_DTYPE={forced})")
+    monkeypatch.setenv(packed_linear.CPU_DTYPE_ENV, "fp16")
+    with pytest.raises(ValueError, match="must be float32 or bfloat16"):
+        packed_linear.cpu_auto_dtype()
+
+
+def test_bf16_plan_takes_old_logprobs_from_a_forward_not_the_sampler(tiny_model_dir):
+    from llmrl.config import load_config, resolve
+
+    plans = {d: resolve(load_config(None, {"model": tiny_model_dir, "device": "cpu", "dtype": d})) for d in ("float32", "bfloat16")}
+    assert plans["float32"].sampler_logp and not plans["bfloat16"].sampler_logp
+    assert plans["bfloat16"].precision == "precision: bfloat16 (dtype=bfloat16)"
+
+
+def test_bf16_logprobs_agree_with_fp32_and_lora_trains_in_fp32(tiny_model_dir):
+    fp32, tok, _ = policy(tiny_model_dir, "float32")
+    bf16, _, _ = policy(tiny_model_dir, "bfloat16")
+    base = bf16.get_base_model()
+    assert base.model.layers[0].mlp.up_proj.base_layer.weight.dtype == torch.bfloat16
+    assert {p.dtype for p in bf16.parameters() if p.requires_grad} == {torch.float32}
+    ids, mask, prompt = sequences(tok)
+    want = sequence_logprobs(fp32.eval(), ids, mask, prompt)[0]
+    bf16.train()
+    got = sequence_logprobs(bf16, ids, mask, prompt)[0]
+    assert got.dtype == torch.float32
+    scored = got[:, prompt - 1 :]
+    diff = (got - want)[:, prompt - 1 :].abs()
+    # bf16 keeps 8 bits of mantissa: log-probs of ~-10.8 nats (49k-token vocab, near-uniform tiny model)
+    # move by ~1e-2 on average (measured 0.012, largest 0.11); a wrong path (no LoRA, fp16 overflow) is far off
+    assert 0 < diff.mean() < 0.02 and diff.max() < 0.2, (diff.mean(), diff.max())
+    assert scored.mean() < -5.0
+    got.sum().backward()
+    grads = [p.grad for p in bf16.parameters() if p.requires_grad]
+    assert all(g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
+    assert sum(g.abs().sum() for g in grads) > 0
+
+
+def test_bf16_old_and_new_logprobs_are_the_same_at_theta_old(tiny_model_dir):
+    """In bf16 the rollout's old log-probs come from a no-grad forward laid out like the training
+    forward (plan.sampler_logp is off), so at θ_old the PPO ratio of the first minibatch is 1 up to
+    fp32 summation order; the sampler's decode-step logits are ~100x further off."""
+    from llmrl.rollout.base import Sampling, add_logprobs
+    from llmrl.rollout.hf import HFEngine
+    from llmrl.training.update import trim_to_completions
+
+    model, tok, plan = policy(tiny_model_dir, "bfloat16")
+    sampling = Sampling(temperature=0.9, top_p=0.95, top_k=0, repetition_penalty=1.0, min_new_tokens=1,
+                        max_new_tokens=9, max_prompt_tokens=64)
+    rollouts = {}
+    for from_sampler in (False, True):
+        engine = HFEngine(tok, sampling, eval_batch_size=8, merge_lora=True, sampler_logp=from_sampler)
+        engine.sync(model)
+        r = engine.generate(MESSAGES, group_size=3, seed=4)
+        rollouts[from_sampler] = add_logprobs(model, r, chunk=6, group_size=3, shared_prefix=True, with_ref=False)
+    r = rollouts[False]
+    assert torch.equal(r.input_ids, rollouts[True].input_ids)
+    model.train()  # the training forward: rows 1, 4, 5, 8 of the window, shared prefix, trimmed columns
+    rows = torch.tensor([1, 4, 5, 8])
+    mb = trim_to_completions({"input_ids": r.input_ids[rows], "attention_mask": r.attention_mask[rows],
+                              "completion_mask": r.completion_mask[rows], "logp_old": r.logp_old[rows],
+                              "sampler": rollouts[True].logp_old[rows]}, r.prompt_len)
+    new = shared_prefix_logprobs(model, mb["input_ids"], mb["attention_mask"], r.prompt_len, rows // 3)[0]
+    m = mb["completion_mask"] > 0
+    gap = (new - mb["logp_old"])[m].abs().max().item()
+    sampler_gap = (new - mb["sampler"])[m].abs().max().item()
+    assert gap <= 1e-4, gap
+    assert sampler_gap > 10 * max(gap, 1e-5), (gap, sampler_gap)
+    again = chunked_logprobs(model.eval(), r.input_ids, r.attention_mask, r.prompt_len, 9)[0] * r.completion_mask
+    assert (again - r.logp_old).abs().max() <= 1e-4  # unshared, all rows: the same numbers
