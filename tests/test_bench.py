@@ -81,7 +81,14 @@ def parse(argv):
 def test_parser_defaults():
     a = parse([])
     assert (a.steps, a.no_trl, a.sweep, a.model, a.config, a.alternate, a.work_dir, a.json, a.num_threads) == (
-        3, False, False, None, None, 1, None, None, None)
+        3, False, None, None, None, 1, None, None, None)
+    import llmrl.bench as bench
+
+    assert parse(["--sweep"]).sweep == bench.SWEEP
+    assert parse(["--sweep", "4:512:512,8:24"]).sweep == [(4, 512, 512), (8, None, 24)]
+    for bad in ("4", "4:x", "0:24", "4:1:2:3"):
+        with pytest.raises(SystemExit):
+            parse(["--sweep", bad])
     assert a.trl_checkpointing is True and parse(["--trl_checkpointing", "false"]).trl_checkpointing is False
     with pytest.raises(SystemExit):
         parse(["--trl_checkpointing", "maybe"])
@@ -166,12 +173,9 @@ def test_trl_side_one_step(tiny_model_dir, one_thread_config, tmp_path):
 
 
 def test_sweep_rows_carry_their_shape_and_forced_rows_have_exactly_their_length(tiny_model_dir, one_thread_config,
-                                                                                 tmp_path, monkeypatch):
-    import llmrl.bench as bench
-
-    monkeypatch.setattr(bench, "SWEEP", [(4, None, 24), (2, 6, 6)])  # the config's own row, and a forced 6-token row
-    out = tmp_path / "out.json"
-    args = parse(["--no_trl", "--sweep", "--steps", "1", "--model", tiny_model_dir, "--config", one_thread_config,
+                                                                                 tmp_path):
+    out = tmp_path / "out.json"  # the config's own row comes first, then a forced 6-token row
+    args = parse(["--no_trl", "--sweep", "2:6:6", "--steps", "1", "--model", tiny_model_dir, "--config", one_thread_config,
                   "--json", str(out), "--matmul_seconds", "0.2"])
     assert cmd_bench(args) == 0
     rows = json.loads(out.read_text())["sweep"]

@@ -41,6 +41,30 @@ def test_packed_linear_matches_f_linear_and_its_input_gradient(bias):
     assert "forward" not in layer.__dict__ and not hasattr(layer, "_llmrl_packs")
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_copies_multiply_in_bf16_with_fp32_in_and_out(bias):
+    """bf16=True: the products of a frozen fp32 layer and of its input gradient run on bf16 roundings
+    of the input, the weight and the incoming gradient, accumulated and returned in fp32; the
+    bias is added in fp32."""
+    torch.manual_seed(0)
+    layer = frozen_linear(48, 80, bias)
+    x = torch.randn(3, 7, 48, requires_grad=True)
+    g = torch.randn(3, 7, 80) * 1.37
+    fp32 = nn.functional.linear(x, layer.weight, layer.bias)
+    (fp32_grad,) = torch.autograd.grad(fp32, x, g)
+    w16 = layer.weight.to(torch.bfloat16)
+    want = nn.functional.linear(x.detach().to(torch.bfloat16), w16).float() + (0 if layer.bias is None else layer.bias)
+    want_grad = (g.reshape(-1, 80).to(torch.bfloat16) @ w16).float().view(3, 7, 48)
+    assert install_packed_linears(layer, bf16=True) == 1
+    got = layer(x)
+    (got_grad,) = torch.autograd.grad(got, x, g)
+    assert got.dtype == got_grad.dtype == torch.float32 and layer.weight.dtype == torch.float32
+    assert torch.equal(got, want) and torch.equal(got_grad, want_grad)
+    torch.testing.assert_close(got, fp32, rtol=2e-2, atol=2e-2)  # bf16: 8 mantissa bits
+    assert not torch.equal(got, fp32)
+    torch.testing.assert_close(got_grad, fp32_grad, rtol=2e-2, atol=2e-2)
+
+
 def test_trainable_and_non_fp32_linears_are_left_alone():
     trainable = nn.Linear(4, 4)
     half = frozen_linear(4, 4, False).to(torch.bfloat16)
@@ -48,23 +72,25 @@ def test_trainable_and_non_fp32_linears_are_left_alone():
     assert "forward" not in trainable.__dict__ and "forward" not in half.__dict__
 
 
-def test_swapped_weights_get_their_own_pack_never_a_stale_one():
+@pytest.mark.parametrize("bf16", [False, True])
+def test_swapped_weights_get_their_own_pack_never_a_stale_one(bf16):
     """A weight tensor swapped in (as merged LoRA does) is packed for itself; after release, a new
     tensor at a possibly reused address is packed again, and the original weight uses its own pack."""
     torch.manual_seed(0)
     layer = frozen_linear(32, 24, False)
-    install_packed_linears(layer)
+    install_packed_linears(layer, bf16=bf16)
     base = layer.weight.data
     x = torch.randn(5, 32)
+    tol = 3e-2 if bf16 else 1e-5
     for k in range(4):
         other = base + (k + 1.0)  # a fresh tensor each time; its memory may reuse the last one's
         layer.weight.data = other
-        torch.testing.assert_close(layer(x), x @ other.T, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer(x), x @ other.T, rtol=tol, atol=tol * 10)
         layer.weight.data = base
         release_temporary_packs(layer)
         assert layer._llmrl_packs.temporary is None
         del other
-        torch.testing.assert_close(layer(x), x @ base.T, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer(x), x @ base.T, rtol=tol, atol=tol)
 
 
 def lora_policy(model_dir: str):

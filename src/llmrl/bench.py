@@ -54,6 +54,23 @@ TRL_MISSING = 'TRL not installed: pip install "llmrl[bench]" (or run with --no_t
 N_PARAMS_NOTE = "all parameters of the base model (LoRA adapters excluded), embeddings included, tied embeddings once"
 
 
+def sweep_rows(text: str) -> list[tuple[int, int | None, int]]:
+    """`all` → SWEEP; else comma-separated G:MAX or G:MIN:MAX rows → [(group, min_new or None, max_new)]."""
+    if text == "all":
+        return list(SWEEP)
+    rows = []
+    for item in text.split(","):
+        parts = item.strip().split(":")
+        try:
+            numbers = [int(x) for x in parts]
+        except ValueError:
+            numbers = []
+        if len(numbers) not in (2, 3) or min(numbers) < 1:
+            raise argparse.ArgumentTypeError(f"sweep row {item!r}: expected G:MAX or G:MIN:MAX with positive integers")
+        rows.append((numbers[0], numbers[1] if len(numbers) == 3 else None, numbers[-1]))
+    return rows
+
+
 def parse_bool(text: str) -> bool:
     """true/false (also 1/0, yes/no, on/off) for a command-line option."""
     value = bool_word(text)
@@ -310,8 +327,8 @@ def run_bench(model: str | None = None, config: str | None = None, steps: int = 
         fp32_flops = max(v for k, v in rates.items() if not k.endswith("_bf16"))  # the fastest fp32 kernel
         from llmrl.models.loading import pick_device, pick_dtype
 
-        dtype, precision = pick_dtype(values.get("dtype", "auto"), pick_device(values.get("device", "auto")))
-        bf16 = str(dtype) == "torch.bfloat16"
+        dtype, bf16_matmul, precision = pick_dtype(values.get("dtype", "auto"), pick_device(values.get("device", "auto")))
+        bf16 = bf16_matmul or str(dtype) == "torch.bfloat16"
         flops = rates["torch.mm_bf16"] if bf16 else fp32_flops  # the FLOP limit: the rate of llmrl's precision here
         sides = ["llmrl"] + (["llmrl_vllm"] if rollout_engine == "vllm" else [])
         sides += [] if no_trl else ["trl"] + (["trl_checkpointing"] if trl_checkpointing else [])
@@ -361,7 +378,8 @@ def run_bench(model: str | None = None, config: str | None = None, steps: int = 
         result["flop_limit_ratio_fp32"] = result["flop_limit_ratio"] * fp32_flops / flops
         result["flop_limit_ratio_bf16"] = result["flop_limit_ratio"] * rates["torch.mm_bf16"] / flops
         result["flop_limit_s"] = result["llmrl"]["flop_limit_s"]
-        result["sweep"] = run_sweep(values, steps, warmup, flops, result["llmrl"], root) if sweep else None
+        rows = list(SWEEP) if sweep is True else list(sweep or [])
+        result["sweep"] = run_sweep(values, steps, warmup, flops, result["llmrl"], root, rows) if rows else None
         done = True
         return result
     finally:
@@ -370,11 +388,12 @@ def run_bench(model: str | None = None, config: str | None = None, steps: int = 
 
 
 def run_sweep(values: dict[str, Any], steps: int, warmup: int, flops: float, base: dict[str, Any],
-              root: Path) -> list[dict[str, Any]]:
+              root: Path, sweep: list[tuple[int, int | None, int]] = SWEEP) -> list[dict[str, Any]]:
     """llmrl only: seconds per step and per completion token as group size and max_new_tokens grow.
-    The row with the config's own (group_size, max_new_tokens) reuses the main measurement."""
+    The config's own row comes first and reuses the main measurement."""
     rows = []
-    for group, min_new, max_new in SWEEP:
+    own = (values["group_size"], None, values["max_new_tokens"])
+    for group, min_new, max_new in [own] + [r for r in sweep if r != own]:
         min_new = values["min_new_tokens"] if min_new is None else min_new
         if (group, min_new, max_new) == (values["group_size"], values["min_new_tokens"], values["max_new_tokens"]):
             s = base
@@ -443,9 +462,10 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--no_trl", action="store_true", help="skip TRL (speedup_vs_trl is then null)")
     p.add_argument("--trl_checkpointing", type=parse_bool, default=True, metavar="BOOL",
                    help="also run TRL with its default gradient checkpointing on (the other TRL side has it off, like llmrl) (default: true)")
-    p.add_argument("--sweep", action="store_true",
+    p.add_argument("--sweep", nargs="?", const="all", type=sweep_rows, metavar="ROWS",
                    help="also time llmrl at group size 4, 8, 16 (max_new_tokens 24), max_new_tokens 64, 128 (group size 4), "
-                        "and forced lengths min_new_tokens = max_new_tokens = 128, 512 (group size 4)")
+                        "and forced lengths min_new_tokens = max_new_tokens = 128, 512 (group size 4); or only ROWS, "
+                        "comma-separated G:MAX or G:MIN:MAX (e.g. 4:512:512), beside the config's own row")
     p.add_argument("--model", help="model to benchmark (default: the config's, smollm2-135m-instruct)")
     p.add_argument("--config", help="YAML file of config fields (default: the built-in cpu-bench config)")
     p.add_argument("--alternate", type=int, default=1, metavar="K",

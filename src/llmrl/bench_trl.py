@@ -117,7 +117,8 @@ def run_trl(cfg: dict[str, Any], output_dir: str) -> dict[str, Any]:
     # like for like: TRL's bf16 setting (bf16 autocast) wherever llmrl's dtype resolves to bf16 here
     from llmrl.models.loading import pick_dtype
 
-    settings["bf16"] = pick_dtype(cfg.get("dtype", "auto"), torch.device("cpu" if use_cpu else "cuda"))[0] == torch.bfloat16
+    dtype, bf16_matmul, _ = pick_dtype(cfg.get("dtype", "auto"), torch.device("cpu" if use_cpu else "cuda"))
+    settings["bf16"] = bf16_matmul or dtype == torch.bfloat16
     args = GRPOConfig(output_dir=output_dir, use_cpu=use_cpu, **settings)
 
     # the prompts llmrl draws: batch_size per step from the task's seeded RNG, in order

@@ -375,7 +375,8 @@ class Plan:
 
     device: Any  # torch.device the policy lives on
     dtype: Any  # torch.dtype of the frozen base weights
-    precision: str  # one line: the dtype and why (auto: measured on CPU)
+    bf16_matmul: bool  # CPU, dtype auto: frozen fp32 linears multiply through bf16 copies (measured to pay)
+    precision: str  # one line: the precision and why (auto: measured on CPU)
     engine: str  # rollout engine name (rollout.ENGINES)
     sampler_logp: bool  # old log-probs and entropies from the sampler's own logits (no second forward)
     merge_lora: bool  # LoRA merged into the base weights while sampling and in eval
@@ -403,13 +404,14 @@ def resolve(cfg: TrainConfig) -> Plan:
         raise ConfigError(f"device={cfg.device}: no CUDA device is usable here (torch {torch.__version__}, "
                           f"cuda {torch.version.cuda or 'not compiled in'}); use --device cpu or auto")
     cpu = device.type == "cpu"
-    dtype, precision = pick_dtype(cfg.dtype, device)
+    dtype, bf16_matmul, precision = pick_dtype(cfg.dtype, device)
+    bf16_matmul = bf16_matmul and cfg.fast
     fuse = cfg.fast and (cfg.fuse_accumulation if cfg.fuse_accumulation is not None else cpu)
     return Plan(
-        device=device, dtype=dtype, precision=precision, engine=cfg.rollout_engine,
-        # the sampler's decode-step logits match a full forward to ~1e-6 in fp32 only: in bf16 the old
-        # log-probs come from the same forward as the new ones, so the first ratio is exactly 1
-        sampler_logp=cfg.fast and cfg.logp_from_sampler and dtype == torch.float32, merge_lora=cfg.fast and cfg.merge_lora_sampling,
+        device=device, dtype=dtype, bf16_matmul=bf16_matmul, precision=precision, engine=cfg.rollout_engine,
+        # the sampler's decode-step logits match a full forward to ~1e-6 in fp32 only: with bf16 the old
+        # log-probs come from a forward laid out like the training one, so the first ratio is 1
+        sampler_logp=cfg.fast and cfg.logp_from_sampler and dtype == torch.float32 and not bf16_matmul, merge_lora=cfg.fast and cfg.merge_lora_sampling,
         shared_prefix_scoring=cfg.fast and cfg.shared_prefix,
         shared_prefix_update=cfg.fast and cfg.shared_prefix and not cfg.gradient_checkpointing,
         fuse_accumulation=fuse, score_chunk=cfg.minibatch_size * (cfg.grad_accum_steps if fuse else 1),

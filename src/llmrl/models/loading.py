@@ -134,16 +134,18 @@ def pick_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def pick_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, str]:
-    """(dtype of the frozen base, one line saying why): `auto` → bf16 on CUDA; on CPU bf16 where it
-    has a native bf16 unit that measures faster (`cpu_auto_dtype`), fp32 otherwise."""
+def pick_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, bool, str]:
+    """(dtype of the frozen base weights, whether the frozen matmuls run in bf16 on fp32 weights,
+    one line saying why). `auto` → bf16 weights on CUDA; on CPU fp32 weights, with bf16 products
+    where the CPU has a native bf16 unit that measures faster (`cpu_auto_precision`)."""
     if dtype == "auto":
         if device.type == "cuda":
-            return torch.bfloat16, "precision: bfloat16 (CUDA)"
-        from llmrl.models.packed_linear import cpu_auto_dtype
+            return torch.bfloat16, False, "precision: bfloat16 (CUDA)"
+        from llmrl.models.packed_linear import cpu_auto_precision
 
-        return cpu_auto_dtype()
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype], f"precision: {dtype} (dtype={dtype})"
+        return torch.float32, *cpu_auto_precision()
+    named = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    return named, False, f"precision: {dtype} (dtype={dtype})"
 
 
 def load_tokenizer(path: str):

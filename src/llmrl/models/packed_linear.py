@@ -1,4 +1,4 @@
-"""Frozen fp32 linear layers on CPU through oneDNN with pre-packed weights.
+"""Frozen fp32 linear layers on CPU through oneDNN with pre-packed weights, or through bf16 copies.
 
 PyTorch's CPU `F.linear` calls MKL's sgemm, which repacks the weight on every call and, on some
 CPUs (measured here: an AMD EPYC with AVX-512), runs a slower code path: 215–234 GFLOP/s on a
@@ -47,13 +47,15 @@ def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 class Packed:
     """The packs of one weight tensor: forward (W) now, backward (W.T, for grad wrt the input) on
-    first need. Holds the tensor itself, so its memory (and data_ptr) cannot be reused while the
-    pack exists: a pack is found again by data_ptr only for the tensor it was made from."""
+    first need; with `bf16`, one bf16 copy of W serves both. Holds the tensor itself, so its memory
+    (and data_ptr) cannot be reused while the pack exists: a pack is found again by data_ptr only
+    for the tensor it was made from."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, bf16: bool = False):
         self.source = weight.detach()
         self.ptr = self.source.data_ptr()
-        self.forward = pack_weight(self.source)
+        self.bf16 = bf16
+        self.forward = self.source.to(torch.bfloat16).contiguous() if bf16 else pack_weight(self.source)
         self._backward: torch.Tensor | None = None
 
     @property
@@ -64,23 +66,32 @@ class Packed:
 
 
 class _PackedLinearFn(torch.autograd.Function):
-    """y = x @ W.T + b for a frozen W (and b): gradient for x only."""
+    """y = x @ W.T + b for a frozen W (and b): gradient for x only. With a bf16 pack, x and the
+    incoming gradient are rounded to bf16 for the products, which accumulate in fp32 and return
+    fp32: activations, residual sums and the LoRA branch stay fp32."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, packs: Packed, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.packs = packs
+        if packs.bf16:
+            y = nn.functional.linear(x.to(torch.bfloat16), packs.forward).float()
+            return y if bias is None else y + bias
         return packed_matmul(x, packs.forward, bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return packed_matmul(grad.contiguous(), ctx.packs.backward, None), None, None
+        packs = ctx.packs
+        if packs.bf16:
+            return torch.mm(grad.to(torch.bfloat16), packs.forward).float(), None, None
+        return packed_matmul(grad.contiguous(), packs.backward, None), None, None
 
 
 class PackCache:
     """One module's packs: `base` (its weight when installed) and at most one `temporary` pack."""
 
-    def __init__(self, weight: torch.Tensor):
-        self.base = Packed(weight)
+    def __init__(self, weight: torch.Tensor, bf16: bool = False):
+        self.bf16 = bf16
+        self.base = Packed(weight, bf16)
         self.temporary: Packed | None = None
 
     def get(self, weight: torch.Tensor) -> Packed:
@@ -88,7 +99,7 @@ class PackCache:
         if self.base.ptr == ptr:
             return self.base
         if self.temporary is None or self.temporary.ptr != ptr:
-            self.temporary = Packed(weight)
+            self.temporary = Packed(weight, self.bf16)
         return self.temporary
 
 
@@ -121,20 +132,21 @@ def packable_linears(model: nn.Module) -> list[nn.Linear]:
             and (m.bias is None or not m.bias.requires_grad)]
 
 
-def install_packed_linears(model: nn.Module, memory_budget: int | None = None) -> int:
+def install_packed_linears(model: nn.Module, memory_budget: int | None = None, bf16: bool = False) -> int:
     """Route every frozen fp32 CPU nn.Linear of `model` (LoRA base layers, the LM head) through
-    oneDNN packed weights; packs its current weights now. Returns how many modules; 0 where oneDNN
-    is missing, or where the packs (about twice the frozen weights: W for forward, W.T for
-    backward) would exceed `memory_budget` bytes: nothing changes then. Trainable linears (LoRA A
+    oneDNN packed weights, or with `bf16` through bf16 copies of them (bf16 products, fp32 in and
+    out); packs its current weights now. Returns how many modules; 0 where oneDNN is missing, or
+    where the packs (about twice the frozen weights: W for forward, W.T for backward; half of them
+    in bf16) would exceed `memory_budget` bytes: nothing changes then. Trainable linears (LoRA A
     and B) keep F.linear."""
-    if not onednn_available():
+    if not bf16 and not onednn_available():
         return 0
     layers = packable_linears(model)
     unique = {m.weight.data_ptr(): m.weight.numel() * m.weight.element_size() for m in layers}
-    if memory_budget is not None and 2 * sum(unique.values()) > memory_budget:
+    if memory_budget is not None and (0.5 if bf16 else 2) * sum(unique.values()) > memory_budget:
         return 0
     for m in layers:
-        m._llmrl_packs = PackCache(m.weight)
+        m._llmrl_packs = PackCache(m.weight, bf16)
         m.forward = types.MethodType(_packed_forward, m)
     for m in model.modules():  # PEFT's merge/unmerge edit the base weight in place: pack it again after
         base = getattr(m, "base_layer", None)
@@ -153,7 +165,7 @@ def _repacking(method, layer: nn.Linear):
         try:
             return method(*args, **kwargs)
         finally:
-            layer._llmrl_packs = PackCache(layer.weight)
+            layer._llmrl_packs = PackCache(layer.weight, layer._llmrl_packs.bf16)
 
     return run
 
@@ -238,6 +250,7 @@ def _cached_verdict(what: str, measure) -> dict:
 
 
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of a native bf16 multiply unit
+BF16_MATMULS = "bf16 products for the frozen weights (weights, activations, LoRA, optimizer and log-softmax fp32)"
 CPU_DTYPE_ENV = "LLMRL_CPU_DTYPE"  # float32 or bfloat16: what dtype=auto picks on CPU, without measuring
 
 
@@ -273,23 +286,23 @@ def bf16_pays(out_features: int = 1536, in_features: int = 576, rows: tuple[int,
     return times["bf16"] < times["fp32"] / 1.5, {name: flop / t / 1e9 for name, t in times.items()}
 
 
-def cpu_auto_dtype() -> tuple[torch.dtype, str]:
-    """What `dtype: auto` runs the frozen base in on CPU, and one line saying why: bf16 where the CPU
-    has a native bf16 unit and a start-up measurement (cached like the packing verdict) finds bf16
-    matmuls ≥ 1.5× faster than fp32; fp32 otherwise. LLMRL_CPU_DTYPE=float32|bfloat16 decides instead."""
+def cpu_auto_precision() -> tuple[bool, str]:
+    """Whether `dtype: auto` runs the frozen matmuls in bf16 on this CPU (fp32 weights, activations,
+    LoRA and optimizer kept), and one line saying why: where the CPU has a native bf16 unit and a
+    start-up measurement (cached like the packing verdict) finds bf16 products ≥ 1.5× faster than
+    fp32. LLMRL_CPU_DTYPE=float32|bfloat16 decides instead."""
     forced = os.environ.get(CPU_DTYPE_ENV, "").strip()
     if forced:
         if forced not in ("float32", "bfloat16"):
             raise ValueError(f"{CPU_DTYPE_ENV}={forced!r}: must be float32 or bfloat16")
-        return getattr(torch, forced), f"precision: {forced} ({CPU_DTYPE_ENV}={forced})"
+        return forced == "bfloat16", f"precision: {BF16_MATMULS if forced == 'bfloat16' else 'float32'} ({CPU_DTYPE_ENV}={forced})"
     flags = cpu_bf16_flags()
     if not flags:
-        return torch.float32, "precision: float32 (this CPU has no native bf16 unit: no amx_bf16 / avx512_bf16 flag)"
+        return False, "precision: float32 (this CPU has no native bf16 unit: no amx_bf16 / avx512_bf16 flag)"
     v = _cached_verdict("bf16 vs fp32 1536x576", bf16_pays)
     rates = ", ".join(f"{k} {r:.0f}" for k, r in v["gflops"].items())
-    dtype = torch.bfloat16 if v["pays"] else torch.float32
-    return dtype, (f"precision: {'bfloat16 base weights and activations, fp32 LoRA, optimizer and log-softmax' if v['pays'] else 'float32'} "
-                   f"({'+'.join(flags)}; measured F.linear {rates} GFLOP/s; {_verdicts_path()})")
+    return v["pays"], (f"precision: {BF16_MATMULS if v['pays'] else 'float32'} ({'+'.join(flags)}; measured F.linear "
+                       f"{rates} GFLOP/s; {_verdicts_path()})")
 
 
 def _verdicts_path():

@@ -96,11 +96,15 @@ def build_policy(cfg: TrainConfig, plan: Plan):
     if plan.device.type == "cpu" and plan.dtype == torch.bfloat16:
         run_in_bf16_autocast(model)
     choice = "frozen linears: F.linear"
-    if plan.onednn_linear and onednn_available() and packable_linears(model):
+    free = available_memory_bytes()  # packs copy the frozen weights: only where that fits easily
+    budget = None if free is None else free // 2
+    if plan.bf16_matmul:
+        choice = ("frozen linears: bf16 copies (fp32 in and out)" if install_packed_linears(model, budget, bf16=True)
+                  else "frozen linears: F.linear in fp32 (not enough free memory for bf16 copies of the weights)")
+    elif plan.onednn_linear and onednn_available() and packable_linears(model):
         pays, choice = (packing_pays_for(model) if plan.measure_kernels  # measured once per machine (kernels.json)
                         else (True, "frozen linears: oneDNN packed (onednn_linear=true)"))
-        free = available_memory_bytes()  # the packs copy the frozen weights twice: only if that fits easily
-        if pays and not install_packed_linears(model, None if free is None else free // 2):
+        if pays and not install_packed_linears(model, budget):
             choice = "frozen linears: F.linear (not enough free memory for oneDNN packed weights)"
     return model, tokenizer, choice
 

@@ -260,16 +260,15 @@ def update(run: Run, out: Rollout, g: Gathered, adv: torch.Tensor) -> tuple[Upda
     train = stats.logged()
     if out.entropy is not None:  # the sampling policy's, T = 1 (not with old_logprobs=engine: vLLM returns no entropies)
         train["train/entropy"] = masked_mean(out.entropy, out.completion_mask).item()
-    if out.engine_logp is not None:  # |engine − trainer| log-probs of the sampled tokens, at θ_old
-        diff = stats.engine_diff if run.cfg.old_logprobs == "engine" else add_diff(
-            None, out.logp_old, out.engine_logp, out.completion_mask)
-        train["engine_diff"] = diff or (0.0, 0.0, 0.0)
+    diff = None  # (Σ|engine − trainer|, tokens, max) of the sampled tokens' log-probs at θ_old, vllm only
+    if out.engine_logp is not None:
+        diff = (stats.engine_diff if run.cfg.old_logprobs == "engine"
+                else add_diff(None, out.logp_old, out.engine_logp, out.completion_mask)) or (0.0, 0.0, 0.0)
     averaged = (*(f"train/{k}" for k in stats.MEAN_FIELDS), "train/entropy")
-    every_rank = run.dist.gather(train)  # one collective for all the statistics
-    train = {k: sum(r[k] for r in every_rank) / run.dist.world if k in averaged else v for k, v in train.items()}
-    if "engine_diff" in train:
-        sums = [r["engine_diff"] for r in every_rank]
-        del train["engine_diff"]
+    every_rank = run.dist.gather((train, diff))  # one collective for all the statistics
+    train = {k: sum(r[k] for r, _ in every_rank) / run.dist.world if k in averaged else v for k, v in train.items()}
+    if diff is not None:
+        sums = [d for _, d in every_rank]
         train["rollout/engine_logprob_diff"] = sum(d[0] for d in sums) / max(sum(d[1] for d in sums), 1.0)
         train["rollout/engine_logprob_diff_max"] = max(d[2] for d in sums)
     return stats, train
