@@ -80,3 +80,11 @@ def assert_same_run(expected: Path, actual: Path, step: int) -> None:
                 assert abs(x[k] - y[k]) <= 1e-6, (x["step"], k, x[k], y[k])
             else:
                 assert x[k] == y[k], (x["step"], k, x[k], y[k])  # e.g. the same health warnings
+
+
+def kept_logits(logits: torch.Tensor, logits_to_keep) -> torch.Tensor:
+    """What a transformers causal LM returns for `logits_to_keep`: the last that many positions (an
+    int; 0 keeps all), or the positions a 1-D tensor lists. For the hand-checkable fake models."""
+    if torch.is_tensor(logits_to_keep):
+        return logits[:, logits_to_keep]
+    return logits[:, -logits_to_keep:] if logits_to_keep else logits

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from helpers import kept_logits
 
 from llmrl.algorithms.core import mismatch_weights
 from llmrl.algorithms.losses import LossSettings, grpo_loss, reinforce_loss
@@ -93,7 +94,7 @@ class Linear(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=0, **kw):
         logits = self.emb(input_ids)
-        return type("Out", (), {"logits": logits[:, -logits_to_keep:] if logits_to_keep else logits})()
+        return type("Out", (), {"logits": kept_logits(logits, logits_to_keep)})()
 
 
 def _batch(engine_shift: float) -> UpdateBatch:

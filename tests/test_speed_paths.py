@@ -323,3 +323,49 @@ def test_forwards_over_the_token_budget_are_split_and_the_update_is_the_same(pol
         for key in ("loss", "pg_loss", "kl", "clip_frac"):
             assert getattr(st, key) == pytest.approx(getattr(fused, key), rel=1e-4, abs=1e-7), key
     assert fused.kl > 0 and fused.loss != 0
+
+
+def test_growing_cache_layer_holds_what_concatenation_holds():
+    """GrowingLayer against transformers' DynamicLayer over a prefill, decode steps that cross its
+    capacity (reserve 7: grows at 8), a batch repeat and a batch selection: equal keys and
+    values after every update, and the decode steps write into the same buffer (no copy)."""
+    from transformers.cache_utils import DynamicLayer
+
+    from llmrl.rollout.hf import GrowingLayer
+
+    torch.manual_seed(0)
+    grow, plain = GrowingLayer(reserve=7), DynamicLayer()
+    steps = [5, 1, 1, 1, 2, 1, 3, 1, 1, 1, 1, 1, 1, 1]
+    new_buffers, last = 0, None
+    for i, width in enumerate(steps):
+        k, v = torch.randn(3, 2, width, 5) * 1.37, torch.randn(3, 2, width, 5) / 3
+        if i == 4:
+            grow.batch_repeat_interleave(2), plain.batch_repeat_interleave(2)
+        if i == 9:
+            rows = torch.tensor([5, 0, 3, 3])
+            grow.batch_select_indices(rows), plain.batch_select_indices(rows)
+        n = plain.keys.shape[0] if plain.is_initialized and plain.keys.numel() else 3
+        k, v = k[:1].expand(n, -1, -1, -1) + torch.arange(n)[:, None, None, None], v[:1].expand(n, -1, -1, -1)
+        got, want = grow.update(k, v), plain.update(k, v)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert grow.get_seq_length() == plain.get_seq_length() == sum(steps[: i + 1])
+        new_buffers, last = new_buffers + (grow._buffers is not last), grow._buffers
+    assert grow.keys._base is grow._buffers[0] and grow._buffers[0].shape[-2] == 34
+    # buffers: the first (room for 7), grown at 8 positions (16), copied after the repeat (20) and
+    # after the selection (2 × 17); every other step wrote into the buffer it found
+    assert new_buffers == 4
+
+
+def test_generate_with_the_growing_cache_equals_concatenation(policy, monkeypatch):
+    """Sampling with GrowingLayer caches gives the tokens and sampler logits of transformers' own
+    concatenating cache (3 prompts of different lengths, G = 3, up to 8 new tokens)."""
+    from transformers.cache_utils import DynamicCache
+
+    import llmrl.rollout.hf as hf
+
+    model, tok = policy
+    grown = sample(model, tok, MESSAGES, logp_from_sampler=True, merge_lora=False)
+    monkeypatch.setattr(hf, "growing_cache", lambda config, reserve: DynamicCache(config=config))
+    plain = sample(model, tok, MESSAGES, logp_from_sampler=True, merge_lora=False)
+    assert torch.equal(grown.input_ids, plain.input_ids)
+    assert torch.allclose(grown.logp_old, plain.logp_old, atol=1e-6)

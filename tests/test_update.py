@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import kept_logits
 
 from llmrl.algorithms.core import masked_mean_rows
 from llmrl.algorithms.losses import LossSettings
@@ -28,7 +29,7 @@ class BigramLM(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=0, use_cache=False):
         logits = self.w[input_ids]  # [N, L, V]
-        return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
+        return SimpleNamespace(logits=kept_logits(logits, logits_to_keep))
 
 
 def make_batch(n: int = 6, prompt_len: int = 2, gen: int = 3) -> UpdateBatch:

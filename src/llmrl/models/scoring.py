@@ -46,14 +46,21 @@ def per_token(values: torch.Tensor, prompt_len: int) -> torch.Tensor:
     return torch.cat([values.new_zeros(values.shape[0], prompt_len - 1), values], dim=1)
 
 
-def _scores(logits: torch.Tensor, targets: torch.Tensor, prompt_len: int,
+def _scores(parts: Sequence[torch.Tensor], targets: torch.Tensor, prompt_len: int,
             with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits [N, T, V] scoring targets [N, T] → (logp [N, P+T-1], entropies [N, P+T-1] or None)."""
-    logp = per_token(logprobs_of(logits, targets), prompt_len)
-    if not with_entropy:
-        return logp, None
-    with torch.no_grad():
-        return logp, per_token(token_entropy(logits.detach()), prompt_len)
+    """Logits of consecutive completion positions, in parts [N, T_i, V] (ΣT_i = T), scoring targets
+    [N, T] → (logp [N, P+T-1], entropies [N, P+T-1] or None). Each part is scored where it lies: the
+    [N, T, V] logits are never concatenated (a copy of the largest tensor of the step, and another in backward)."""
+    logp, entropy, start = [], [], 0
+    for logits in parts:
+        end = start + logits.shape[1]
+        logp.append(logprobs_of(logits, targets[:, start:end]))
+        if with_entropy:
+            with torch.no_grad():
+                entropy.append(token_entropy(logits.detach()))
+        start = end
+    logp = per_token(torch.cat(logp, dim=1), prompt_len)
+    return logp, per_token(torch.cat(entropy, dim=1), prompt_len) if with_entropy else None
 
 
 def sequence_logprobs(
@@ -61,15 +68,16 @@ def sequence_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs [N, L-1] (0 over the prompt), and optionally token entropies [N, L-1].
 
-    Only the logits that score completion tokens are computed (`logits_to_keep`): positions
-    prompt_len-1 … L-2, which score tokens prompt_len … L-1.
+    Only the logits that score completion tokens are computed (`logits_to_keep` as indices):
+    positions prompt_len-1 … L-2, which score tokens prompt_len … L-1; contiguous, so scoring them
+    copies nothing.
     """
     length = input_ids.shape[1]
     logits = model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-        logits_to_keep=length - prompt_len + 1, use_cache=False,
-    ).logits[:, :-1]  # [N, T, V]: the last position predicts past the sequence
-    return _scores(logits, input_ids[:, prompt_len:], prompt_len, with_entropy)
+        logits_to_keep=torch.arange(prompt_len - 1, length - 1, device=input_ids.device), use_cache=False,
+    ).logits  # [N, T, V]
+    return _scores([logits], input_ids[:, prompt_len:], prompt_len, with_entropy)
 
 
 def shared_prefix_logprobs(
@@ -95,7 +103,7 @@ def shared_prefix_logprobs(
             input_ids=input_ids[:, prompt_len:-1], attention_mask=attention_mask[:, :-1],
             position_ids=position_ids(attention_mask)[:, prompt_len:-1], **{CACHE: cache}, use_cache=True,
         ).logits)  # [N, T-1, V]: score tokens P+1 … L-1
-    return _scores(torch.cat(parts, dim=1), input_ids[:, prompt_len:], prompt_len, with_entropy)
+    return _scores(parts, input_ids[:, prompt_len:], prompt_len, with_entropy)
 
 
 @torch.no_grad()
