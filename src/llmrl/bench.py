@@ -126,8 +126,9 @@ def matmul_rates(n: int = 2048, seconds: float = 2.0) -> dict[str, float]:
     """The machine's fp32 matmul rate (FLOP/s) per kernel, each timed on two n×n matrices for about
     `seconds` after one untimed warm-up, 2·n³ FLOP per product: "torch.mm" (PyTorch's default, MKL
     sgemm on x86), where this torch build has it "onednn_packed" (oneDNN with a pre-packed operand,
-    what llmrl's frozen linears use on CPU where it pays), and "torch.mm_bf16" (bf16 inputs). The FLOP
-    limit uses the fastest kernel of the precision llmrl trains in (fp32 on CPU)."""
+    what llmrl's frozen linears use on CPU where it pays), "torch.mm_bf16" (bf16 inputs) and
+    "onednn_packed_bf16" (what llmrl's bf16 products use). The FLOP limit uses the fastest kernel of
+    the precision llmrl runs in on this machine (`bf16_rate` / `fp32_rate`)."""
     import torch
 
     from llmrl.models.packed_linear import onednn_available, pack_weight, packed_matmul
@@ -140,6 +141,9 @@ def matmul_rates(n: int = 2048, seconds: float = 2.0) -> dict[str, float]:
         packed = pack_weight(b)
         kernels["onednn_packed"] = lambda: packed_matmul(a, packed, None)
     kernels["torch.mm_bf16"] = lambda: torch.mm(a16, b16)  # AMX / AVX512_BF16 where the CPU has them
+    if onednn_available():
+        packed16 = pack_weight(b16)
+        kernels["onednn_packed_bf16"] = lambda: packed_matmul(a16, packed16, None)
     rates = {}
     for name, run in kernels.items():
         run()
@@ -152,6 +156,16 @@ def matmul_rates(n: int = 2048, seconds: float = 2.0) -> dict[str, float]:
                 rates[name] = 2 * n**3 * reps / elapsed
                 break
     return rates
+
+
+def fp32_rate(rates: dict[str, float]) -> float:
+    """The fastest fp32 kernel's rate among `matmul_rates`."""
+    return max(v for k, v in rates.items() if not k.endswith("_bf16"))
+
+
+def bf16_rate(rates: dict[str, float]) -> float:
+    """The fastest bf16 kernel's rate among `matmul_rates`."""
+    return max(v for k, v in rates.items() if k.endswith("_bf16"))
 
 
 def torch_threads() -> int:
@@ -319,17 +333,16 @@ def run_bench(model: str | None = None, config: str | None = None, steps: int = 
     root = Path(tempfile.mkdtemp(prefix="llmrl-bench-")) if own_dir else Path(work_dir)
     done = False
     try:
-        if values["num_threads"]:
-            import torch
+        import torch
 
+        if values["num_threads"]:
             torch.set_num_threads(values["num_threads"])  # the children use the same thread count
         rates = matmul_rates(seconds=matmul_seconds)
-        fp32_flops = max(v for k, v in rates.items() if not k.endswith("_bf16"))  # the fastest fp32 kernel
         from llmrl.models.loading import pick_device, pick_dtype
 
         dtype, bf16_matmul, precision = pick_dtype(values.get("dtype", "auto"), pick_device(values.get("device", "auto")))
-        bf16 = bf16_matmul or str(dtype) == "torch.bfloat16"
-        flops = rates["torch.mm_bf16"] if bf16 else fp32_flops  # the FLOP limit: the rate of llmrl's precision here
+        bf16 = bf16_matmul or dtype == torch.bfloat16
+        flops = bf16_rate(rates) if bf16 else fp32_rate(rates)  # the FLOP limit: the rate of llmrl's precision here
         sides = ["llmrl"] + (["llmrl_vllm"] if rollout_engine == "vllm" else [])
         sides += [] if no_trl else ["trl"] + (["trl_checkpointing"] if trl_checkpointing else [])
         measured: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
@@ -351,7 +364,7 @@ def run_bench(model: str | None = None, config: str | None = None, steps: int = 
             "config": name, "model": values["model"], "steps": steps, "warmup_steps": warmup,
             "alternate": len(rounds), "matmul_gflops": flops / 1e9,
             "matmul_gflops_by_kernel": {k: v / 1e9 for k, v in rates.items()},
-            "matmul": ("torch.mm_bf16 (llmrl runs bf16 here)" if bf16 else "fastest fp32 kernel (torch.mm, oneDNN packed)")
+            "matmul": ("fastest bf16 kernel (llmrl runs bf16 here)" if bf16 else "fastest fp32 kernel (torch.mm, oneDNN packed)")
                       + ", 2048x2048, 2*n^3 FLOP each",
             "precision": precision,
             "num_threads": values["num_threads"] or torch_threads(),
@@ -375,8 +388,8 @@ def run_bench(model: str | None = None, config: str | None = None, steps: int = 
         # the same ratio against torch.mm's rate (how this figure was computed before oneDNN was measured)
         result["flop_limit_ratio_torch_mm"] = result["flop_limit_ratio"] * rates["torch.mm"] / flops
         # ... at the fastest fp32 rate, and at the bf16 rate
-        result["flop_limit_ratio_fp32"] = result["flop_limit_ratio"] * fp32_flops / flops
-        result["flop_limit_ratio_bf16"] = result["flop_limit_ratio"] * rates["torch.mm_bf16"] / flops
+        result["flop_limit_ratio_fp32"] = result["flop_limit_ratio"] * fp32_rate(rates) / flops
+        result["flop_limit_ratio_bf16"] = result["flop_limit_ratio"] * bf16_rate(rates) / flops
         result["flop_limit_s"] = result["llmrl"]["flop_limit_s"]
         rows = list(SWEEP) if sweep is True else list(sweep or [])
         result["sweep"] = run_sweep(values, steps, warmup, flops, result["llmrl"], root, rows) if rows else None

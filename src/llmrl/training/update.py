@@ -148,18 +148,18 @@ def budget_pieces(rows: torch.Tensor, batch: UpdateBatch, token_budget: int) -> 
 
 
 def window_forwards(window: list[torch.Tensor], batch: UpdateBatch, fuse: bool,
-                    token_budget: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+                    token_budget: int) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
     """The forwards of one optimizer window (global row ids per minibatch), each a list of
-    (minibatch rows, the rows of it this forward runs): with `fuse` and within the budget, one forward
-    for the whole window; otherwise each minibatch alone, in `budget_pieces` when it is over the budget.
-    Minibatches without rows on this rank are left out."""
+    (minibatch rows, this rank's rows of it, the rows of those this forward runs): with `fuse` and
+    within the budget, one forward for the whole window; otherwise each minibatch alone, in
+    `budget_pieces` when it is over the budget. Minibatches without rows on this rank are left out."""
     owns = [(rows, own_rows(rows, batch)) for rows in window]
     owns = [(rows, own) for rows, own in owns if len(own)]
     if not owns:
         return []
     if fuse and padded_tokens(torch.cat([own for _, own in owns]), batch) <= token_budget:
-        return [owns]
-    return [[(rows, piece)] for rows, own in owns for piece in budget_pieces(own, batch, token_budget)]
+        return [[(rows, own, own) for rows, own in owns]]
+    return [[(rows, own, piece)] for rows, own in owns for piece in budget_pieces(own, batch, token_budget)]
 
 
 def accumulation_windows(minibatch_rows: list[torch.Tensor], lengths: torch.Tensor,
@@ -215,9 +215,9 @@ def policy_update(model, optimizer: torch.optim.Optimizer, batch: UpdateBatch, s
         bad = False
         minibatches += sum(1 for rows in window if len(own_rows(rows, batch)))
         for chunk in window_forwards(window, batch, s.fuse_accumulation, s.token_budget):
-            tensors, logp = forward(torch.cat([piece for _, piece in chunk]))
+            tensors, logp = forward(torch.cat([piece for _, _, piece in chunk]))
             chunk_loss, start = 0.0, 0
-            for rows, piece in chunk:
+            for rows, own, piece in chunk:
                 part = slice(start, start + len(piece))  # these rows of the chunk's forward
                 start += len(piece)
                 mb = {k: v[part] for k, v in tensors.items()}
@@ -238,7 +238,6 @@ def policy_update(model, optimizer: torch.optim.Optimizer, batch: UpdateBatch, s
                 bad = bad or not bool(torch.isfinite(loss))
                 chunk_loss = chunk_loss + loss
                 # logged means are this rank's: weight a piece by its share of the rank's rows (or tokens)
-                own = own_rows(rows, batch)
                 tok_w = 1.0 if len(piece) == len(own) else (lengths[piece].sum() / lengths[own].sum().clamp(min=1)).item()
                 pg_w = tok_w if s.loss.aggregate == "token_mean" else len(piece) / len(own)
                 sums["loss"] += (pg * pg_w + s.kl_coef * kl * tok_w).item()
