@@ -41,11 +41,17 @@ def test_packed_linear_matches_f_linear_and_its_input_gradient(bias):
     assert "forward" not in layer.__dict__ and not hasattr(layer, "_llmrl_packs")
 
 
+@pytest.mark.parametrize("onednn", [True, False])
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_copies_multiply_in_bf16_with_fp32_in_and_out(bias):
+def test_bf16_copies_multiply_in_bf16_with_fp32_in_and_out(bias, onednn, monkeypatch):
     """bf16=True: the products of a frozen fp32 layer and of its input gradient run on bf16 roundings
-    of the input, the weight and the incoming gradient, accumulated and returned in fp32; the
-    bias is added in fp32."""
+    of the input, the weight and the incoming gradient, accumulated in fp32, rounded to bf16 on the
+    way out and returned as fp32; the bias is added in fp32. Through oneDNN packs, and through plain
+    bf16 copies where oneDNN takes no bf16."""
+    if not onednn:
+        monkeypatch.setattr(packed_linear, "onednn_bf16_available", lambda: False)
+    elif not packed_linear.onednn_bf16_available():
+        pytest.skip("oneDNN here takes no bf16")
     torch.manual_seed(0)
     layer = frozen_linear(48, 80, bias)
     x = torch.randn(3, 7, 48, requires_grad=True)
@@ -56,8 +62,11 @@ def test_bf16_copies_multiply_in_bf16_with_fp32_in_and_out(bias):
     want = nn.functional.linear(x.detach().to(torch.bfloat16), w16).float() + (0 if layer.bias is None else layer.bias)
     want_grad = (g.reshape(-1, 80).to(torch.bfloat16) @ w16).float().view(3, 7, 48)
     assert install_packed_linears(layer, bf16=True) == 1
+    assert layer._llmrl_packs.base.onednn == onednn
     got = layer(x)
     (got_grad,) = torch.autograd.grad(got, x, g)
+    with torch.no_grad():  # the path without autograd (sampling, scoring) gives the same
+        assert torch.equal(layer(x), got.detach())
     assert got.dtype == got_grad.dtype == torch.float32 and layer.weight.dtype == torch.float32
     assert torch.equal(got, want) and torch.equal(got_grad, want_grad)
     torch.testing.assert_close(got, fp32, rtol=2e-2, atol=2e-2)  # bf16: 8 mantissa bits

@@ -131,7 +131,7 @@ def matmul_rates(n: int = 2048, seconds: float = 2.0) -> dict[str, float]:
     the precision llmrl runs in on this machine (`bf16_rate` / `fp32_rate`)."""
     import torch
 
-    from llmrl.models.packed_linear import onednn_available, pack_weight, packed_matmul
+    from llmrl.models.packed_linear import onednn_available, onednn_bf16_available, pack_weight, packed_matmul
 
     a, b = torch.randn(n, n), torch.randn(n, n)
     c = torch.empty(n, n)
@@ -141,7 +141,7 @@ def matmul_rates(n: int = 2048, seconds: float = 2.0) -> dict[str, float]:
         packed = pack_weight(b)
         kernels["onednn_packed"] = lambda: packed_matmul(a, packed, None)
     kernels["torch.mm_bf16"] = lambda: torch.mm(a16, b16)  # AMX / AVX512_BF16 where the CPU has them
-    if onednn_available():
+    if onednn_bf16_available():
         packed16 = pack_weight(b16)
         kernels["onednn_packed_bf16"] = lambda: packed_matmul(a16, packed16, None)
     rates = {}

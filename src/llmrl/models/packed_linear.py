@@ -38,6 +38,18 @@ def onednn_available() -> bool:
         return False
 
 
+@functools.cache
+def onednn_bf16_available() -> bool:
+    """Whether oneDNN's packed linear takes bf16 here (it needs AVX-512 or AMX; checked by running it once)."""
+    if not onednn_available():
+        return False
+    try:
+        w, x = torch.ones(8, 16, dtype=torch.bfloat16), torch.ones(3, 16, dtype=torch.bfloat16)
+        return bool((packed_matmul(x, pack_weight(w), None) == 16).all())
+    except RuntimeError:
+        return False
+
+
 def pack_weight(w: torch.Tensor, rows_hint: int = 64) -> torch.Tensor:
     """oneDNN's packed form of a [out, in] fp32 weight, for `x @ w.T` with x [M, in] (any M)."""
     return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), rows_hint)
@@ -58,7 +70,7 @@ class Packed:
         self.source = weight.detach()
         self.ptr = self.source.data_ptr()
         self.bf16 = bf16
-        self.onednn = not bf16 or onednn_available()
+        self.onednn = not bf16 or onednn_bf16_available()
         self.forward = self._pack(self.source)
         self._backward: torch.Tensor | None = None
 

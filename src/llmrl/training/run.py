@@ -31,6 +31,7 @@ from llmrl.models.packed_linear import (
     available_memory_bytes,
     install_packed_linears,
     onednn_available,
+    onednn_bf16_available,
     packable_linears,
     packing_pays_for,
 )
@@ -99,7 +100,7 @@ def build_policy(cfg: TrainConfig, plan: Plan):
     free = available_memory_bytes()  # packs copy the frozen weights: only where that fits easily
     budget = None if free is None else free // 2
     if plan.bf16_matmul:
-        packed = "oneDNN-packed " if onednn_available() else ""
+        packed = "oneDNN-packed " if onednn_bf16_available() else ""
         choice = (f"frozen linears: {packed}bf16 copies (fp32 in and out)" if install_packed_linears(model, budget, bf16=True)
                   else "frozen linears: F.linear in fp32 (not enough free memory for bf16 copies of the weights)")
     elif plan.onednn_linear and onednn_available() and packable_linears(model):
