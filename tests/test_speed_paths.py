@@ -244,7 +244,11 @@ def test_hash_dropout_has_dropout_statistics_and_reproduces_with_the_seed():
     rows = (y == 0).float().mean(1)  # no structure along rows or columns
     assert rows.std().item() < 3 * math.sqrt(0.05 * 0.95 / 1000)
     assert torch.equal(d.eval()(x), x) and torch.equal(HashDropout(0.0).train()(x), x)
-    assert HashDropout(0.5).threshold == 0 and HashDropout(0.25).threshold == -(2**30)
+    assert HashDropout(0.5).threshold == 0 and HashDropout(0.25).threshold == -(2**14)
+    # p = 0.3 is not a multiple of 2^-16: kept with probability 1 - round(0.3·2^16)/2^16 (19661/65536)
+    big = HashDropout(0.3).train()(torch.ones(3, 333_333))  # n not a multiple of 4: the last hash's fields cut
+    assert big.shape == (3, 333_333) and abs((big == 0).float().mean().item() - 19661 / 65536) < 4 * math.sqrt(0.21 / 1e6)
+    assert torch.allclose(big[big != 0], torch.full_like(big[big != 0], 1 / 0.7))
 
 
 def test_hash_dropout_replaces_peft_lora_dropout(tiny_model_dir):
@@ -369,3 +373,74 @@ def test_generate_with_the_growing_cache_equals_concatenation(policy, monkeypatc
     plain = sample(model, tok, MESSAGES, logp_from_sampler=True, merge_lora=False)
     assert torch.equal(grown.input_ids, plain.input_ids)
     assert torch.allclose(grown.logp_old, plain.logp_old, atol=1e-6)
+
+
+def test_hash_fields_are_uniform_and_the_four_fields_of_one_hash_independent():
+    from llmrl.training.cpu_speed import hash_fields
+
+    v = hash_fields(400_002, key=-123_456_789).double()  # n not a multiple of 4
+    assert v.shape == (400_002,) and v.min() >= -(2**15) and v.max() < 2**15
+    counts = torch.histc(v, bins=16, min=-(2**15), max=2**15 - 1)
+    expected = 400_002 / 16
+    assert ((counts - expected) ** 2 / expected).sum() < 45  # chi-square, 15 degrees of freedom (p ≈ 1e-4)
+    fields = v[:400_000].view(-1, 4)
+    corr = torch.corrcoef(fields.T)
+    assert (corr - torch.eye(4, dtype=corr.dtype)).abs().max() < 0.01  # 4σ ≈ 0.0063
+    assert not torch.equal(hash_fields(1000, 1), hash_fields(1000, 2))
+    assert torch.equal(hash_fields(1000, 7), hash_fields(1003, 7)[:1000])  # a prefix does not depend on n
+
+
+def test_fused_lora_output_equals_peft_forward_and_gradients(tiny_model_dir):
+    """base + s·(A(dropout x)) Bᵀ in one addmm = PEFT's base + B(A(dropout x))·s: log-probs and every
+    LoRA gradient, with hash dropout on (same seed, same masks), rows of different lengths (left
+    padding); with the adapter disabled or merged it is PEFT's own forward."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    from llmrl.models.lora import fuse_lora_outputs, merged_lora
+    from llmrl.models.scoring import sequence_logprobs
+    from llmrl.training.cpu_speed import use_hash_dropout
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    torch.manual_seed(2)
+    model = add_lora(base, 5, 7, 0.1, ["q_proj", "k_proj", "o_proj", "up_proj", "down_proj"], False)
+    use_hash_dropout(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    ids = torch.randint(3, 200, (3, 11))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[2, :1] = 0
+
+    def run(train: bool):
+        model.train(train)
+        model.zero_grad()
+        torch.manual_seed(9)
+        logp = sequence_logprobs(model, ids, mask, 5)[0]
+        (logp * torch.linspace(-1, 1, logp.shape[1])).sum().backward()
+        return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    plain = {train: run(train) for train in (True, False)}
+    n_lora = sum(isinstance(m, LoraLinear) for m in model.modules())
+    assert fuse_lora_outputs(model) == n_lora == 5 * base.config.num_hidden_layers
+    assert fuse_lora_outputs(model) == 0  # installed once
+    for train in (True, False):
+        logp, grads = run(train)
+        assert torch.allclose(logp, plain[train][0], atol=1e-5, rtol=0)
+        for name, g in grads.items():
+            assert torch.allclose(g, plain[train][1][name], atol=1e-6, rtol=1e-4), name
+    assert not torch.allclose(plain[True][0], plain[False][0])  # dropout was on in training
+    with torch.no_grad(), model.disable_adapter():  # falls back to PEFT: no LoRA at all
+        off = sequence_logprobs(model, ids, mask, 5)[0]
+    for m in model.modules():
+        if isinstance(m, LoraLinear):
+            del m.forward
+    with torch.no_grad(), model.disable_adapter():
+        assert torch.equal(off, sequence_logprobs(model, ids, mask, 5)[0])
+    fuse_lora_outputs(model)
+    model.eval()
+    with torch.no_grad():
+        unmerged = sequence_logprobs(model, ids, mask, 5)[0]
+        with merged_lora(model):  # merged: PEFT's forward skips the LoRA branch, the merged weight has it
+            assert torch.allclose(sequence_logprobs(model, ids, mask, 5)[0], unmerged, atol=1e-5)

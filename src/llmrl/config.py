@@ -100,7 +100,8 @@ class TrainConfig:
     logp_from_sampler: bool = doc(True, "old log-probs from the sampler's own temperature-1 logits (no second forward)")
     merge_lora_sampling: bool = doc(True, "merge LoRA into the base weights while sampling (exact weights restored after)")
     fuse_accumulation: bool | None = doc(None, "one forward for all minibatches of an optimizer step, and reference passes of that many rows (grad_accum_steps× activation memory; default: on for CPU, off on CUDA)")
-    hash_dropout: bool = doc(True, "CPU: LoRA dropout masks from a vectorised keyed hash (same distribution; PyTorch's CPU dropout draws each element serially)")
+    fuse_lora: bool = doc(True, "LoRA's B product, scaling and sum with the base output in one addmm (no [tokens, out] temporaries; same arithmetic)")
+    hash_dropout: bool = doc(True, "CPU: LoRA dropout masks from a vectorised keyed hash (keep probability exact to 2^-16, four decisions per 64-bit hash; PyTorch's CPU dropout draws each element serially)")
     onednn_linear: bool | None = doc(None, "CPU: frozen fp32 linears (base weights, LM head) through oneDNN with pre-packed weights (holds packed copies of the frozen weights); default: where a start-up measurement (~0.1 s) finds them at least 5 percent faster than F.linear on this CPU (2x on an AMD EPYC, no faster on an Intel Xeon with AMX)")
     keep_heap_memory: bool = doc(True, "CPU: glibc malloc keeps freed memory for reuse (no page faults for each step's activations; the process holds its peak memory)")
     shared_prefix: bool = doc(True, "run each prompt once for its group in the reference and training forwards (not with gradient_checkpointing)")
@@ -174,7 +175,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
                                "health_steps", "health_truncated_frac", "health_zero_spread_frac", "health_max_kl",
                                "health_max_clip_frac"),
     "advanced speed switches": ("fast", "logp_from_sampler", "merge_lora_sampling", "fuse_accumulation", "shared_prefix",
-                                "hash_dropout", "onednn_linear", "keep_heap_memory", "num_threads", "dist_timeout"),
+                                "fuse_lora", "hash_dropout", "onednn_linear", "keep_heap_memory", "num_threads",
+                                "dist_timeout"),
 }
 
 # The fields `llmrl eval` uses (the model, its adapter's shape, the task, eval, speed); others are refused there.
@@ -187,7 +189,7 @@ RESUME_MAY_CHANGE = {
     "steps", "output_dir", "eval_interval", "eval_n", "eval_batch_size", "eval_max_new_tokens", "save_interval",
     "keep_checkpoints", "sample_log_interval", "max_bad_steps", "strict_rewards", "wandb", "wandb_project", "tensorboard", "report",
     "run_name", "num_threads", "device", "strict_health", "health_steps", "health_truncated_frac",
-    "health_zero_spread_frac", "health_max_kl", "health_max_clip_frac", "grade_time_limit", "grade_workers", "fast", "dist_timeout", "logp_from_sampler", "shared_prefix", "fuse_accumulation", "onednn_linear",
+    "health_zero_spread_frac", "health_max_kl", "health_max_clip_frac", "grade_time_limit", "grade_workers", "fast", "dist_timeout", "logp_from_sampler", "shared_prefix", "fuse_accumulation", "onednn_linear", "fuse_lora",
     "merge_lora_sampling", "keep_heap_memory", "vllm_memory", "vllm_sleep",
 }
 
@@ -386,6 +388,7 @@ class Plan:
     score_chunk: int  # rows per no-grad scoring forward (a window's rows when fused) ...
     token_budget: int  # ... and at most this many padded tokens (rows × columns) per forward, scoring and
     #   training alike (CPU: activation and logit memory at long completions; CUDA: no limit)
+    fuse_lora: bool  # LoRA's B product, scaling and sum in one addmm
     hash_dropout: bool  # CPU: vectorised LoRA dropout masks
     onednn_linear: bool  # CPU: frozen linears through oneDNN with pre-packed weights (allowed)
     measure_kernels: bool  # ... only where a start-up measurement finds them faster (onednn_linear unset)
@@ -416,7 +419,7 @@ def resolve(cfg: TrainConfig) -> Plan:
         shared_prefix_update=cfg.fast and cfg.shared_prefix and not cfg.gradient_checkpointing,
         fuse_accumulation=fuse, score_chunk=cfg.minibatch_size * (cfg.grad_accum_steps if fuse else 1),
         token_budget=CPU_TOKEN_BUDGET if cpu else 2**62,
-        hash_dropout=cfg.fast and cfg.hash_dropout and cpu, onednn_linear=bool(cfg.fast and cfg.onednn_linear is not False and cpu),
+        fuse_lora=cfg.fast and cfg.fuse_lora, hash_dropout=cfg.fast and cfg.hash_dropout and cpu, onednn_linear=bool(cfg.fast and cfg.onednn_linear is not False and cpu),
         measure_kernels=cfg.onednn_linear is None,
         keep_heap_memory=cfg.fast and cfg.keep_heap_memory and cpu, gradient_checkpointing=cfg.gradient_checkpointing,
     )

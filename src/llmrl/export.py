@@ -76,7 +76,7 @@ def load_policy(cfg, checkpoint: Path):
     from llmrl.config import resolve
     from llmrl.training.run import build_policy
 
-    plan = dataclasses.replace(resolve(cfg), onednn_linear=False, hash_dropout=False)  # plain linears: mergeable, exportable
+    plan = dataclasses.replace(resolve(cfg), onednn_linear=False, hash_dropout=False, fuse_lora=False)  # plain linears: mergeable, exportable
     model, tokenizer, _ = build_policy(cfg, plan)
     set_peft_model_state_dict(model, load_file(checkpoint / "adapter_model.safetensors"))
     return model.eval(), tokenizer

@@ -31,32 +31,37 @@ def keep_heap_memory() -> bool:
         return False
 
 
-_COUNTER = torch.arange(0, dtype=torch.int32)
+_COUNTER = torch.arange(0, dtype=torch.int64)
+M64 = 2**64
 
 
-def hash_bits(n: int, key1: int, key2: int) -> torch.Tensor:
-    """n pseudo-random int32 values, uniform over all 2^32, from a keyed integer hash of 0 … n-1
-    (counter-based: vectorised, no sequential generator state). key1, key2: int32 keys."""
+def hash_fields(n: int, key: int) -> torch.Tensor:
+    """n pseudo-random int16 values, uniform over all 2^16, from a keyed counter hash: the splitmix64
+    finaliser of key + i·golden for i < ⌈n/4⌉, each 64-bit result read as four 16-bit fields
+    (vectorised, no sequential generator state; a quarter of the elements hashed). key: int64."""
     global _COUNTER
-    if _COUNTER.numel() < n:
-        _COUNTER = torch.arange(max(n, 2 * _COUNTER.numel()), dtype=torch.int32)
-    v = _COUNTER[:n] ^ key1
-    # two xor-shift-multiply rounds (logical shifts by masking the arithmetic ones), key2 between them
-    v ^= (v >> 16) & 0xFFFF
-    v *= 0x7FEB352D
-    v += key2
-    v ^= (v >> 15) & 0x1FFFF
-    v *= 0x846CA68B - 2**32
-    v ^= (v >> 16) & 0xFFFF
-    return v
+    m = -(-n // 4)
+    if _COUNTER.numel() < m:
+        _COUNTER = torch.arange(max(m, 2 * _COUNTER.numel()), dtype=torch.int64)
+    z = _COUNTER[:m] * (0x9E3779B97F4A7C15 - M64)  # int64 wraps: the arithmetic is mod 2^64
+    z += key
+    # xor-shift-multiply rounds (logical shifts: the arithmetic shift's sign bits masked off)
+    z ^= (z >> 30) & ((1 << 34) - 1)
+    z *= 0xBF58476D1CE4E5B9 - M64
+    z ^= (z >> 27) & ((1 << 37) - 1)
+    z *= 0x94D049BB133111EB - M64
+    z ^= (z >> 31) & ((1 << 33) - 1)
+    return z.view(torch.int16)[:n]
 
 
 class HashDropout(nn.Module):
-    """Dropout whose mask comes from `hash_bits` instead of a per-element Mersenne-twister draw.
+    """Dropout whose mask comes from `hash_fields` instead of a per-element Mersenne-twister draw.
 
-    Same distribution as nn.Dropout (each element kept with probability 1 - p, p exact to 2^-32,
-    kept ones scaled by 1/(1 - p)); ~2.4x faster on CPU. Each call takes its two keys from torch's
-    default generator, so torch.manual_seed and saved RNG states reproduce the masks exactly.
+    Each element is kept with probability 1 - p', p' = round(p·2^16)/2^16 (|p' - p| ≤ 2^-17: 0.05 →
+    0.0500031), kept ones scaled by 1/(1 - p) as nn.Dropout does; ~2.5x faster than nn.Dropout on CPU
+    (one 64-bit hash gives four decisions; the mask is applied as x·where(keep, scale, 0)). Each call
+    takes its key from torch's default generator, so torch.manual_seed and saved RNG states reproduce
+    the masks exactly.
     """
 
     def __init__(self, p: float):
@@ -64,14 +69,14 @@ class HashDropout(nn.Module):
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
         self.p = p
-        self.threshold = -(2**31) + round(p * 2**32)  # keep where bits >= threshold
+        self.threshold = -(2**15) + round(p * 2**16)  # keep where the 16-bit field >= threshold
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        key1, key2 = torch.randint(-(2**31), 2**31 - 1, (2,)).tolist()
-        keep = (hash_bits(x.numel(), key1, key2) >= self.threshold).view(x.shape)
-        return x * (keep.to(x.dtype) * (1.0 / (1.0 - self.p)))
+        key = int(torch.randint(-(2**62), 2**62, (1,)))
+        keep = (hash_fields(x.numel(), key) >= self.threshold).view(x.shape)
+        return x * torch.where(keep, 1.0 / (1.0 - self.p), 0.0).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"p={self.p}"

@@ -26,6 +26,7 @@ from llmrl.config import Plan, TrainConfig, resolve, resume_differences, save_co
 from llmrl.errors import ConfigError, RunStopped
 from llmrl.logger import RunLogger
 from llmrl.model_card import model_card
+from llmrl.models.lora import fuse_lora_outputs
 from llmrl.models.loading import add_lora, contiguous_lm_head_input, load_base_model, run_in_bf16_autocast
 from llmrl.models.packed_linear import (
     available_memory_bytes,
@@ -93,6 +94,8 @@ def build_policy(cfg: TrainConfig, plan: Plan):
     model = add_lora(base, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules, plan.gradient_checkpointing)
     if plan.hash_dropout:
         use_hash_dropout(model)  # same distribution, a vectorised mask
+    if plan.fuse_lora:
+        fuse_lora_outputs(model)  # base + s·(A x) Bᵀ in one addmm
     contiguous_lm_head_input(model)
     if plan.device.type == "cpu" and plan.dtype == torch.bfloat16:
         run_in_bf16_autocast(model)
