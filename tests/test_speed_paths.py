@@ -225,7 +225,7 @@ def test_keyed_sampler_candidates_choose_as_the_whole_vocabulary(top_p, top_k):
 
 
 def test_hash_dropout_has_dropout_statistics_and_reproduces_with_the_seed():
-    from llmrl.training.cpu_speed import HashDropout
+    from llmrl.training.cpu_speed import HashDropout, hash_fields
 
     d = HashDropout(0.05).train()
     x = torch.ones(1000, 1000, requires_grad=True)
@@ -238,6 +238,9 @@ def test_hash_dropout_has_dropout_statistics_and_reproduces_with_the_seed():
     assert torch.equal(x.grad, y.detach())
     torch.manual_seed(3)
     assert torch.equal(d(x), y)  # same seed, same mask
+    torch.manual_seed(3)  # the mask is exactly "field >= threshold" of the key drawn from torch's generator
+    key = int(torch.randint(-(2**62), 2**62, (1,)))
+    assert torch.equal(y != 0, (hash_fields(x.numel(), key) >= d.threshold).view(x.shape))
     other = d(x)
     agree = ((other == 0) == (y == 0)).float().mean().item()  # independent masks: (1-p)^2 + p^2
     assert abs(agree - (0.95**2 + 0.05**2)) < 0.002
