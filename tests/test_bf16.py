@@ -83,6 +83,8 @@ def test_bf16_plans_take_old_logprobs_from_a_forward_not_the_sampler(tiny_model_
     monkeypatch.setenv(packed_linear.CPU_DTYPE_ENV, "bfloat16")
     auto = resolve(load_config(None, {"model": tiny_model_dir, "device": "cpu"}))
     assert auto.bf16_matmul and auto.dtype == torch.float32 and not auto.sampler_logp
+    # LoRA is merged for sampling only where the merged weight is multiplied in fp32
+    assert plans["float32"].merge_lora and not plans["bfloat16"].merge_lora and not auto.merge_lora
     assert not resolve(load_config(None, {"model": tiny_model_dir, "device": "cpu", "fast": False})).bf16_matmul
 
 
@@ -122,7 +124,9 @@ def test_bf16_logprobs_and_lora_gradients_agree_with_fp32(tiny_model_dir, monkey
 def test_bf16_old_and_new_logprobs_are_the_same_at_theta_old(tiny_model_dir, monkeypatch, dtype):
     """In bf16 the rollout's old log-probs come from a no-grad forward laid out like the training
     forward (plan.sampler_logp is off), so at θ_old the PPO ratio of the first minibatch is 1 up to
-    fp32 summation order; the sampler's decode-step logits are ~100x further off."""
+    fp32 summation order. (The sampler's decode-step logits run 16-row products whose bf16 kernels
+    round differently from a training forward's: measured on the embedded model, 2.5e-2 nats per
+    token apart; on this tiny model they happen to agree, so only the tokens are compared here.)"""
     from llmrl.rollout.base import Sampling, add_logprobs
     from llmrl.rollout.hf import HFEngine
     from llmrl.training.update import trim_to_completions
@@ -142,14 +146,41 @@ def test_bf16_old_and_new_logprobs_are_the_same_at_theta_old(tiny_model_dir, mon
     model.train()  # the training forward: rows 1, 4, 5, 8 of the window, shared prefix, trimmed columns
     rows = torch.tensor([1, 4, 5, 8])
     mb = trim_to_completions({"input_ids": r.input_ids[rows], "attention_mask": r.attention_mask[rows],
-                              "completion_mask": r.completion_mask[rows], "logp_old": r.logp_old[rows],
-                              "sampler": rollouts[True].logp_old[rows]}, r.prompt_len)
+                              "completion_mask": r.completion_mask[rows], "logp_old": r.logp_old[rows]}, r.prompt_len)
     new = shared_prefix_logprobs(model, mb["input_ids"], mb["attention_mask"], r.prompt_len, rows // 3)[0]
     m = mb["completion_mask"] > 0
     gap = (new - mb["logp_old"])[m].abs().max().item()
-    sampler_gap = (new - mb["sampler"])[m].abs().max().item()
     assert gap <= 1e-4, gap
-    assert sampler_gap > 10 * max(gap, 1e-5), (gap, sampler_gap)
     again = chunked_logprobs(model.eval(), r.input_ids, r.attention_mask, r.prompt_len, 9)[0] * r.completion_mask
     # another layout (no shared prefix, all rows): a bf16 rounding can flip (measured: one token, 4.9e-4)
     assert (again - r.logp_old).abs().max() <= 2e-3
+
+
+@pytest.mark.parametrize("dtype", ["auto-bf16", "bfloat16"])
+def test_lora_is_not_merged_into_weights_multiplied_in_bf16(tiny_model_dir, monkeypatch, dtype):
+    """A merged copy W + ΔW rounded to bf16 loses much of a small ΔW (on the embedded model one adapter
+    scored greedy exact-match 0.22 merged that way, 0.58 unmerged): `merged_lora` leaves such layers
+    unmerged, so sampling sees exactly the policy that is trained. In fp32 it merges (the log-probs
+    move by summation order only)."""
+    from llmrl.models.lora import merged_lora
+
+    ids, mask, prompt = sequences(policy(tiny_model_dir, "float32")[1])
+    for kind in (dtype, "float32"):
+        model, _, _ = policy(tiny_model_dir, kind, monkeypatch)
+        with torch.no_grad():  # a small adapter, as after a few RL steps: |ΔW| well under W's bf16 spacing
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.mul_(0.01)
+        model.eval()
+        with torch.no_grad():
+            plain = sequence_logprobs(model, ids, mask, prompt)[0]
+            with merged_lora(model):
+                merged = sequence_logprobs(model, ids, mask, prompt)[0]
+                n_merged = sum(1 for m in model.modules() if getattr(m, "merged_adapters", None))
+            base = model.get_base_model().model.layers[0].mlp.up_proj.base_layer.weight
+        if kind == "float32":
+            assert n_merged > 0 and not torch.equal(merged, plain)
+            torch.testing.assert_close(merged, plain, rtol=1e-5, atol=1e-5)
+        else:
+            assert n_merged == 0 and torch.equal(merged, plain)
+        assert base.dtype == (torch.bfloat16 if kind == "bfloat16" else torch.float32)

@@ -98,7 +98,7 @@ class TrainConfig:
     mismatch_cap: float = doc(2.0, "cap C of mismatch_correction: token weights min(π_old/π_engine, C); sequences kept while exp(mean log-ratio) is in [1/C, C]")
     fast: bool = doc(True, "all speed paths on; false: the plain path (recompute old log-probs, unmerged LoRA while sampling)")
     logp_from_sampler: bool = doc(True, "old log-probs from the sampler's own temperature-1 logits (no second forward)")
-    merge_lora_sampling: bool = doc(True, "merge LoRA into the base weights while sampling (exact weights restored after)")
+    merge_lora_sampling: bool = doc(True, "merge LoRA into the base weights while sampling (exact weights restored after; only where the base is multiplied in fp32: a merged copy rounded to bf16 loses much of the adapter)")
     fuse_accumulation: bool | None = doc(None, "one forward for all minibatches of an optimizer step, and reference passes of that many rows (grad_accum_steps× activation memory; default: on for CPU, off on CUDA)")
     fuse_lora: bool = doc(True, "LoRA's B product, scaling and sum with the base output in one addmm (no [tokens, out] temporaries; same arithmetic)")
     hash_dropout: bool = doc(True, "CPU: LoRA dropout masks from a vectorised keyed hash (keep probability exact to 2^-16, four decisions per 64-bit hash; PyTorch's CPU dropout draws each element serially)")
@@ -381,7 +381,7 @@ class Plan:
     precision: str  # one line: the precision and why (auto: measured on CPU)
     engine: str  # rollout engine name (rollout.ENGINES)
     sampler_logp: bool  # old log-probs and entropies from the sampler's own logits (no second forward)
-    merge_lora: bool  # LoRA merged into the base weights while sampling and in eval
+    merge_lora: bool  # LoRA merged into the base weights while sampling and in eval (fp32 products only)
     shared_prefix_scoring: bool  # no-grad old/ref passes run each prompt once for its group
     shared_prefix_update: bool  # the training forward too (not with gradient checkpointing)
     fuse_accumulation: bool  # one training forward per optimizer window
@@ -413,8 +413,9 @@ def resolve(cfg: TrainConfig) -> Plan:
     return Plan(
         device=device, dtype=dtype, bf16_matmul=bf16_matmul, precision=precision, engine=cfg.rollout_engine,
         # the sampler's decode-step logits match a full forward to ~1e-6 in fp32 only: with bf16 the old
-        # log-probs come from a forward laid out like the training one, so the first ratio is 1
-        sampler_logp=cfg.fast and cfg.logp_from_sampler and dtype == torch.float32 and not bf16_matmul, merge_lora=cfg.fast and cfg.merge_lora_sampling,
+        # log-probs come from a forward laid out like the training one, so the first ratio is 1. And LoRA
+        # is merged only into weights multiplied in fp32 (a bf16-rounded merged copy loses much of ΔW)
+        sampler_logp=cfg.fast and cfg.logp_from_sampler and dtype == torch.float32 and not bf16_matmul, merge_lora=cfg.fast and cfg.merge_lora_sampling and dtype == torch.float32 and not bf16_matmul,
         shared_prefix_scoring=cfg.fast and cfg.shared_prefix,
         shared_prefix_update=cfg.fast and cfg.shared_prefix and not cfg.gradient_checkpointing,
         fuse_accumulation=fuse, score_chunk=cfg.minibatch_size * (cfg.grad_accum_steps if fuse else 1),
