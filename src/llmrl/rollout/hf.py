@@ -2,7 +2,8 @@
 
 Each prompt is prefilled once and its KV cache repeated for its G completions (prompt-major order:
 completion i belongs to prompt i // G); tokens are drawn by the KeyedSampler (generate itself is
-greedy over its choice); LoRA is merged into the base weights while sampling (`merge_lora`); the
+greedy over its choice); LoRA is merged into the base weights while sampling where they are
+multiplied in fp32 (`merge_lora`; bf16 products sample unmerged, models/lora.py:merge_is_exact); the
 sampler's raw logits give the old log-probs and entropies without a second forward (`sampler_logp`).
 """
 
