@@ -410,12 +410,13 @@ def resolve(cfg: TrainConfig) -> Plan:
     dtype, bf16_matmul, precision = pick_dtype(cfg.dtype, device)
     bf16_matmul = bf16_matmul and cfg.fast
     fuse = cfg.fast and (cfg.fuse_accumulation if cfg.fuse_accumulation is not None else cpu)
+    fp32_products = dtype == torch.float32 and not bf16_matmul  # every product of the base in fp32
     return Plan(
         device=device, dtype=dtype, bf16_matmul=bf16_matmul, precision=precision, engine=cfg.rollout_engine,
         # the sampler's decode-step logits match a full forward to ~1e-6 in fp32 only: with bf16 the old
         # log-probs come from a forward laid out like the training one, so the first ratio is 1. And LoRA
         # is merged only into weights multiplied in fp32 (a bf16-rounded merged copy loses much of ΔW)
-        sampler_logp=cfg.fast and cfg.logp_from_sampler and dtype == torch.float32 and not bf16_matmul, merge_lora=cfg.fast and cfg.merge_lora_sampling and dtype == torch.float32 and not bf16_matmul,
+        sampler_logp=cfg.fast and cfg.logp_from_sampler and fp32_products, merge_lora=cfg.fast and cfg.merge_lora_sampling and fp32_products,
         shared_prefix_scoring=cfg.fast and cfg.shared_prefix,
         shared_prefix_update=cfg.fast and cfg.shared_prefix and not cfg.gradient_checkpointing,
         fuse_accumulation=fuse, score_chunk=cfg.minibatch_size * (cfg.grad_accum_steps if fuse else 1),
