@@ -96,9 +96,15 @@ def shared_prefix_logprobs(
     cache = DynamicCache(config=model.config)
     head = model(input_ids=input_ids[first, :prompt_len], attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
                  **{CACHE: cache}, use_cache=True, logits_to_keep=1).logits  # [U, 1, V]: scores token P
-    parts = [head[inverse]]
+    # consecutive groups of equal size (the rollout's prompt-major layout): repeat, whose backward is a
+    # sum (an index's backward is an accumulating scatter: 0.63 vs 0.11 ms per layer's keys here)
+    repeats = n // len(uniq) if torch.equal(inverse, torch.arange(len(uniq), device=inverse.device).repeat_interleave(n // len(uniq))) else 0
+    parts = [head.repeat_interleave(repeats, 0) if repeats else head[inverse]]
     if length - prompt_len > 1:
-        cache.batch_select_indices(inverse.to(input_ids.device))
+        if repeats:
+            cache.batch_repeat_interleave(repeats)
+        else:
+            cache.batch_select_indices(inverse.to(input_ids.device))
         parts.append(model(
             input_ids=input_ids[:, prompt_len:-1], attention_mask=attention_mask[:, :-1],
             position_ids=position_ids(attention_mask)[:, prompt_len:-1], **{CACHE: cache}, use_cache=True,
