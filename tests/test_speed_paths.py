@@ -447,3 +447,48 @@ def test_fused_lora_output_equals_peft_forward_and_gradients(tiny_model_dir):
         unmerged = sequence_logprobs(model, ids, mask, 5)[0]
         with merged_lora(model):  # merged: PEFT's forward skips the LoRA branch, the merged weight has it
             assert torch.allclose(sequence_logprobs(model, ids, mask, 5)[0], unmerged, atol=1e-5)
+
+
+def test_grouped_attention_reads_key_value_heads_in_place(tiny_model_dir, monkeypatch):
+    """`grouped_query_attention` (CPU plans): the tiny model's 4 query heads share 2 key/value heads; SDPA
+    reads them in place (enable_gqa) instead of transformers' repeat_kv copies, with the same log-probs
+    and LoRA gradients, over left-padded rows of different lengths and the shared-prefix forward."""
+    import transformers.integrations.sdpa_attention as hf_sdpa
+
+    from llmrl.models.loading import grouped_query_attention
+    from llmrl.models.scoring import sequence_logprobs, shared_prefix_logprobs
+
+    copies = Counter()
+    original = hf_sdpa.repeat_kv
+    monkeypatch.setattr(hf_sdpa, "repeat_kv", lambda x, n: copies.update([n]) or original(x, n))
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, tok.vocab_size, (6, 19), generator=g)
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate([4, 0, 0, 2, 0, 0]):  # two prompts of 3 rows each, left-padded differently
+        mask[row, :pad] = 0
+    ids[1:3, :9], mask[1:3, :9] = ids[0, :9], mask[0, :9]
+    ids[4:6, :9], mask[4:6, :9] = ids[3, :9], mask[3, :9]
+    group = torch.tensor([0, 0, 0, 1, 1, 1])
+    results = []
+    for grouped in (False, True):
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        torch.manual_seed(1)
+        model = add_lora(base, 4, 8, 0.0, ["q_proj", "k_proj", "v_proj", "up_proj"], False)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.5, generator=torch.Generator().manual_seed(2))
+        assert grouped_query_attention(model) if grouped else True
+        copies.clear()
+        full = sequence_logprobs(model, ids, mask, 9)[0]
+        shared = shared_prefix_logprobs(model, ids, mask, 9, group)[0]
+        (full.sum() + 0.7 * shared.sum()).backward()
+        grads = torch.cat([p.grad.flatten() for n, p in model.named_parameters() if "lora_" in n])
+        results.append((full, shared, grads))
+        assert (sum(copies.values()) == 0) == grouped, copies  # repeat_kv called only without grouping
+    (f0, s0, g0), (f1, s1, g1) = results
+    torch.testing.assert_close(f1, f0, rtol=0, atol=1e-6)
+    torch.testing.assert_close(s1, s0, rtol=0, atol=1e-6)
+    torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-7)
+    assert g0.abs().max() > 1e-3  # gradients that a wrong attention would change

@@ -389,6 +389,7 @@ class Plan:
     token_budget: int  # ... and at most this many padded tokens (rows × columns) per forward, scoring and
     #   training alike (CPU: activation and logit memory at long completions; CUDA: no limit)
     fuse_lora: bool  # LoRA's B product, scaling and sum in one addmm
+    grouped_attention: bool  # CPU: SDPA reads grouped key/value heads in place (no repeat_kv copies)
     hash_dropout: bool  # CPU: vectorised LoRA dropout masks
     onednn_linear: bool  # CPU: frozen linears through oneDNN with pre-packed weights (allowed)
     measure_kernels: bool  # ... only where a start-up measurement finds them faster (onednn_linear unset)
@@ -421,7 +422,7 @@ def resolve(cfg: TrainConfig) -> Plan:
         shared_prefix_update=cfg.fast and cfg.shared_prefix and not cfg.gradient_checkpointing,
         fuse_accumulation=fuse, score_chunk=cfg.minibatch_size * (cfg.grad_accum_steps if fuse else 1),
         token_budget=CPU_TOKEN_BUDGET if cpu else 2**62,
-        fuse_lora=cfg.fast and cfg.fuse_lora, hash_dropout=cfg.fast and cfg.hash_dropout and cpu, onednn_linear=bool(cfg.fast and cfg.onednn_linear is not False and cpu),
+        fuse_lora=cfg.fast and cfg.fuse_lora, grouped_attention=cfg.fast and cpu, hash_dropout=cfg.fast and cfg.hash_dropout and cpu, onednn_linear=bool(cfg.fast and cfg.onednn_linear is not False and cpu),
         measure_kernels=cfg.onednn_linear is None,
         keep_heap_memory=cfg.fast and cfg.keep_heap_memory and cpu, gradient_checkpointing=cfg.gradient_checkpointing,
     )

@@ -27,7 +27,8 @@ from llmrl.errors import ConfigError, RunStopped
 from llmrl.logger import RunLogger
 from llmrl.model_card import model_card
 from llmrl.models.lora import fuse_lora_outputs
-from llmrl.models.loading import add_lora, contiguous_lm_head_input, load_base_model, run_in_bf16_autocast
+from llmrl.models.loading import (add_lora, contiguous_lm_head_input, grouped_query_attention, load_base_model,
+                                  run_in_bf16_autocast)
 from llmrl.models.packed_linear import (
     available_memory_bytes,
     install_packed_linears,
@@ -97,6 +98,8 @@ def build_policy(cfg: TrainConfig, plan: Plan):
     if plan.fuse_lora:
         fuse_lora_outputs(model)  # base + s·(A x) Bᵀ in one addmm
     contiguous_lm_head_input(model)
+    if plan.grouped_attention:
+        grouped_query_attention(model)  # no repeat_kv copies in training and scoring forwards
     if plan.device.type == "cpu" and plan.dtype == torch.bfloat16:
         run_in_bf16_autocast(model)
     choice = "frozen linears: F.linear"
