@@ -246,12 +246,18 @@ def _sdpa_grouped(module, query, key, value, attention_mask, dropout: float = 0.
 
 
 def grouped_query_attention(model) -> bool:
-    """Run the model's SDPA attention through `_sdpa_grouped`. False where the model does not use SDPA."""
+    """Run the model's SDPA attention through `_sdpa_grouped`. False where the model does not use SDPA,
+    or this torch's SDPA has no `enable_gqa` (before 2.5): nothing changes then."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     if getattr(inner.config, "_attn_implementation", None) != "sdpa":
+        return False
+    try:
+        q, kv = torch.zeros(1, 2, 1, 4), torch.zeros(1, 1, 1, 4)  # 2 query heads share 1 key/value head
+        torch.nn.functional.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+    except TypeError:
         return False
     AttentionInterface.register("llmrl_sdpa", _sdpa_grouped)
     # the same masks as sdpa (an attention name without a mask function gets no mask at all)
