@@ -492,3 +492,25 @@ def test_grouped_attention_reads_key_value_heads_in_place(tiny_model_dir, monkey
     torch.testing.assert_close(s1, s0, rtol=0, atol=1e-6)
     torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-7)
     assert g0.abs().max() > 1e-3  # gradients that a wrong attention would change
+
+
+def test_scoring_without_grad_takes_logprobs_and_entropies_from_one_log_softmax(policy):
+    """No-grad scoring (old log-probs) gathers the log-probs from the log-softmax its entropies need,
+    where a forward with grad uses cross-entropy: the same bits either way."""
+    from llmrl.models.scoring import sequence_logprobs, shared_prefix_logprobs
+
+    model, tok = policy
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, tok.vocab_size, (6, 17), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :3], mask[4, :1] = 0, 0
+    ids[1:3, :7], mask[1:3, :7] = ids[0, :7], mask[0, :7]
+    model.eval()
+    for score in (lambda: sequence_logprobs(model, ids, mask, 7, with_entropy=True),
+                  lambda: shared_prefix_logprobs(model, ids, mask, 7, torch.tensor([0, 0, 0, 1, 2, 3]), with_entropy=True)):
+        logp, entropy = score()  # grad on: cross-entropy, entropies apart
+        assert logp.requires_grad
+        with torch.no_grad():
+            logp_ng, entropy_ng = score()
+        assert torch.equal(logp_ng, logp.detach()) and torch.equal(entropy_ng, entropy)
+        assert entropy[:, 6:].min() > 0.1 and logp[:, 6:].max() < 0

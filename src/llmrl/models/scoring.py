@@ -54,10 +54,16 @@ def _scores(parts: Sequence[torch.Tensor], targets: torch.Tensor, prompt_len: in
     logp, entropy, start = [], [], 0
     for logits in parts:
         end = start + logits.shape[1]
-        logp.append(logprobs_of(logits, targets[:, start:end]))
-        if with_entropy:
-            with torch.no_grad():
-                entropy.append(token_entropy(logits.detach()))
+        if with_entropy and not logits.requires_grad:  # no grad: one log-softmax serves both (the same bits)
+            all_logp = torch.log_softmax(logits.float(), dim=-1)  # [N, T_i, V]
+            logp.append(all_logp.gather(-1, targets[:, start:end, None]).squeeze(-1))
+            entropy.append(entropy_of_logprobs(all_logp))
+            del all_logp
+        else:
+            logp.append(logprobs_of(logits, targets[:, start:end]))
+            if with_entropy:
+                with torch.no_grad():
+                    entropy.append(token_entropy(logits.detach()))
         start = end
     logp = per_token(torch.cat(logp, dim=1), prompt_len)
     return logp, per_token(torch.cat(entropy, dim=1), prompt_len) if with_entropy else None
