@@ -184,3 +184,20 @@ def test_lora_is_not_merged_into_weights_multiplied_in_bf16(tiny_model_dir, monk
         else:
             assert n_merged == 0 and torch.equal(merged, plain)
         assert base.dtype == (torch.bfloat16 if kind == "bfloat16" else torch.float32)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_bf16_attention_runs_in_fp32_grouped_only_on_the_fast_path(tiny_model_dir, monkeypatch, fast):
+    """dtype=bfloat16 on CPU runs attention in fp32; the fast path reads grouped key/value heads in place,
+    `--fast false` keeps transformers' own SDPA (its plain twin), with the same log-probs."""
+    from llmrl.models.loading import _attention_implementation
+
+    model, tok, plan = policy(tiny_model_dir, "bfloat16", monkeypatch, fast=fast)
+    assert plan.grouped_attention == fast
+    assert _attention_implementation(model) == ("llmrl_sdpa_gqa_fp32" if fast else "llmrl_sdpa_fp32")
+    ids, mask, prompt = sequences(tok)
+    with torch.no_grad():
+        logp = sequence_logprobs(model, ids, mask, prompt)[0]
+    other, _, _ = policy(tiny_model_dir, "bfloat16", monkeypatch, fast=not fast)
+    with torch.no_grad():
+        torch.testing.assert_close(sequence_logprobs(other, ids, mask, prompt)[0], logp, rtol=0, atol=2e-2)

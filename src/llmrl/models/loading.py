@@ -245,49 +245,63 @@ def _sdpa_grouped(module, query, key, value, attention_mask, dropout: float = 0.
     return out.transpose(1, 2).contiguous(), None
 
 
-def grouped_query_attention(model) -> bool:
-    """Run the model's SDPA attention through `_sdpa_grouped`. False where the model does not use SDPA,
-    or this torch's SDPA has no `enable_gqa` (before 2.5): nothing changes then."""
+def _attention_implementation(model) -> str | None:
+    """The name of the attention function the (inner) model runs: sdpa, eager, llmrl_sdpa_gqa, ..."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(inner.config, "_attn_implementation", None)
+
+
+def _use_attention(model, name: str, attention) -> None:
+    """Register `attention` as `name`, with sdpa's masks (an attention name without a mask function
+    gets no mask at all), and make it the model's attention."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
+    AttentionInterface.register(name, attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if getattr(inner.config, "_attn_implementation", None) != "sdpa":
+    inner.set_attn_implementation(name)
+
+
+def grouped_query_attention(model) -> bool:
+    """Run the model's SDPA attention through `_sdpa_grouped`. False where the model does not use SDPA,
+    or this torch's SDPA has no `enable_gqa` (before 2.5): nothing changes then."""
+    if _attention_implementation(model) != "sdpa":
         return False
     try:
         q, kv = torch.zeros(1, 2, 1, 4), torch.zeros(1, 1, 1, 4)  # 2 query heads share 1 key/value head
         torch.nn.functional.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
     except TypeError:
         return False
-    AttentionInterface.register("llmrl_sdpa", _sdpa_grouped)
-    # the same masks as sdpa (an attention name without a mask function gets no mask at all)
-    ALL_MASK_ATTENTION_FUNCTIONS.register("llmrl_sdpa", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    inner.set_attn_implementation("llmrl_sdpa")
+    _use_attention(model, "llmrl_sdpa_gqa", _sdpa_grouped)
     return True
 
 
-def _sdpa_in_fp32(module, query, key, value, attention_mask, **kwargs):
-    """SDPA attention computed in fp32 for a bf16 model (outside autocast), its output cast back."""
-    if attention_mask is not None and attention_mask.is_floating_point():
-        attention_mask = attention_mask.float()
-    with torch.autocast("cpu", enabled=False):
-        out, weights = _sdpa_grouped(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
-    return out.to(query.dtype), weights
+def _in_fp32(attention):
+    """`attention` computed in fp32 for a bf16 model (outside autocast), its output cast back."""
+
+    def run(module, query, key, value, attention_mask, **kwargs):
+        if attention_mask is not None and attention_mask.is_floating_point():
+            attention_mask = attention_mask.float()
+        with torch.autocast("cpu", enabled=False):
+            out, weights = attention(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
+        return out.to(query.dtype), weights
+
+    return run
 
 
 def attention_in_fp32(model) -> bool:
-    """Run the model's SDPA attention in fp32 (CPU bf16 runs): PyTorch's CPU flash-attention backward
-    is ~4.5x slower in bf16 than in fp32 (measured: 0.70 vs 0.155 s per update of the cpu-bench
-    step), and the fp32 copies of q, k, v are small next to the weights. False where the model does
-    not use SDPA (nothing changes then)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    """Run the model's SDPA attention (transformers' own, or `_sdpa_grouped`) in fp32 (CPU bf16 runs):
+    PyTorch's CPU flash-attention backward is ~4.5x slower in bf16 than in fp32 (measured: 0.70 vs
+    0.155 s per update of the cpu-bench step), and the fp32 copies of q, k, v are small next to the
+    weights. False where the model does not use SDPA (nothing changes then)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if getattr(inner.config, "_attn_implementation", None) not in ("sdpa", "llmrl_sdpa"):
+    current = _attention_implementation(model)
+    if current == "sdpa":
+        _use_attention(model, "llmrl_sdpa_fp32", _in_fp32(sdpa_attention_forward))
+    elif current == "llmrl_sdpa_gqa":
+        _use_attention(model, "llmrl_sdpa_gqa_fp32", _in_fp32(_sdpa_grouped))
+    else:
         return False
-    AttentionInterface.register("llmrl_sdpa_fp32", _sdpa_in_fp32)
-    # the same masks as sdpa (an attention name without a mask function gets no mask at all)
-    ALL_MASK_ATTENTION_FUNCTIONS.register("llmrl_sdpa_fp32", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    inner.set_attn_implementation("llmrl_sdpa_fp32")
     return True
