@@ -216,7 +216,7 @@ def run_in_bf16_autocast(model) -> None:
     for m in model.modules():
         if isinstance(m, BaseTunerLayer):
             m.cast_input_dtype_enabled = False
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = _inner(model)
     if "forward" not in inner.__dict__:
         inner.forward = torch.autocast("cpu", dtype=torch.bfloat16)(inner.forward)
     attention_in_fp32(model)
@@ -245,10 +245,14 @@ def _sdpa_grouped(module, query, key, value, attention_mask, dropout: float = 0.
     return out.transpose(1, 2).contiguous(), None
 
 
+def _inner(model):
+    """The transformers model inside a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def _attention_implementation(model) -> str | None:
     """The name of the attention function the (inner) model runs: sdpa, eager, llmrl_sdpa_gqa, ..."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return getattr(inner.config, "_attn_implementation", None)
+    return getattr(_inner(model).config, "_attn_implementation", None)
 
 
 def _use_attention(model, name: str, attention) -> None:
@@ -259,8 +263,7 @@ def _use_attention(model, name: str, attention) -> None:
 
     AttentionInterface.register(name, attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    inner.set_attn_implementation(name)
+    _inner(model).set_attn_implementation(name)
 
 
 def grouped_query_attention(model) -> bool:
