@@ -13,7 +13,7 @@ TESTS = Path(__file__).parent
 TRAIN_KEYS = {
     "step", "reward/mean", "reward/distinct", "train/kl", "train/loss", "train/clip_frac", "train/entropy",
     "train/grad_norm", "train/optimizer_steps", "rollout/completion_len", "rollout/truncated_frac",
-    "rollout/zero_spread_frac", "time/rollout_s", "time/update_s", "adv/mean", "adv/std",
+    "rollout/zero_spread_frac", "time/rollout_s", "time/generate_s", "time/logprobs_s", "time/update_s", "adv/mean", "adv/std",
 }
 
 

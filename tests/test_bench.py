@@ -56,6 +56,12 @@ def test_summarize():
     assert s["flop_limit_s"] == pytest.approx(12 * 100 * 42)
     assert s["flop_limit_ratio"] == pytest.approx(3.0 / (12 * 100 * 42))
     assert s["peak_mb"] == 500.0
+    assert "generate_s" not in s and "logprobs_s" not in s  # parts only where a side measured them
+    steps[0] |= {"generate_s": 0.5, "logprobs_s": 0.25}  # measured in some steps: the median of those
+    steps[2] |= {"generate_s": 1.5, "logprobs_s": 0.75}
+    steps[1] |= {"generate_s": 0.75, "logprobs_s": None}
+    s = summarize(steps, peak_mb=500.0, n_params=100, cfg=cfg, flops_per_s=1.0)
+    assert (s["generate_s"], s["logprobs_s"]) == (0.75, 0.5)
 
 
 def test_bench_config_is_specs_cpu_bench():
@@ -137,6 +143,8 @@ def test_bench_no_trl_end_to_end(tiny_model_dir, one_thread_config, tmp_path, ca
         assert math.isfinite(s[key]) and s[key] > 0, key
     assert s["measured_steps"] == 1 and len(s["warmup"]) == 1
     assert s["step_s"] == pytest.approx(s["rollout_s"] + s["update_s"])
+    assert s["rollout_s"] > s["generate_s"] + s["logprobs_s"] and min(s["generate_s"], s["logprobs_s"]) > 0
+    assert f"{s['generate_s']:8.2f} {s['update_s']:8.2f}" in printed  # the table's generate column
     assert len(s["steps"][0]["prompt_tokens"]) == cpu_bench()["batch_size"]
     assert (tmp_path / "work" / "round1-llmrl" / "run" / "metrics.jsonl").exists()
 

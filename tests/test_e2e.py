@@ -23,6 +23,8 @@ def test_train_two_steps_writes_everything_and_moves_lora(tmp_path, tiny_model_d
         assert TRAIN_KEYS <= set(r), TRAIN_KEYS - set(r)
         assert all(v is None or math.isfinite(v) for v in r.values())
         assert r["train/kl"] >= 0 and 0 <= r["rollout/truncated_frac"] <= 1
+        assert 0 < r["time/generate_s"] and 0 < r["time/logprobs_s"]  # the parts of the rollout's time
+        assert r["time/generate_s"] + r["time/logprobs_s"] < r["time/rollout_s"]
     opt_steps = 2 * 2 if algo == "grpo" else 2  # 6 completions / minibatch 3 = 2 optimizer steps per epoch
     assert train[-1]["train/optimizer_steps"] == 2 * opt_steps
 

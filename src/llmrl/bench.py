@@ -3,9 +3,9 @@
 Both sides train the same model on the same prompts with the same settings, each in its own
 subprocess (so each side's peak RSS is its own), optionally alternating in rounds so that machine
 noise hits both. Per side it reports the median seconds per RL step after dropping each process's
-first (warm-up) step, the rollout/update split, completion tokens per second and peak memory; then
-the speed ratio TRL/llmrl and llmrl's step time over a FLOP-limit time computed from the machine's
-measured fp32 matmul rate (see `flop_count`).
+first (warm-up) step, the rollout/update split (and the rollout's generation), completion tokens per
+second and peak memory; then the speed ratio TRL/llmrl and llmrl's step time over a FLOP-limit time
+computed from the machine's measured matmul rate (see `flop_count`).
 
 The llmrl side is this module run as `python -m llmrl.bench --child llmrl --config_json ...`; the
 TRL side is `python -m llmrl.bench_trl ...` (TRL is imported only there). Each prints its figures as
@@ -177,7 +177,8 @@ def torch_threads() -> int:
 def summarize(steps: list[dict[str, Any]], peak_mb: float, n_params: int, cfg: dict[str, Any],
               flops_per_s: float) -> dict[str, Any]:
     """A side's figures from its measured steps (dicts with step_s, rollout_s, update_s,
-    completion_tokens, prompt_tokens; optional generate_s)."""
+    completion_tokens, prompt_tokens; optional generate_s and logprobs_s, the parts of rollout_s spent
+    generating and in the old and reference log-prob forwards)."""
     n = cfg["batch_size"] * cfg["group_size"]
     limits = [
         flop_limit_seconds(n_params, s["prompt_tokens"], s["completion_tokens"] / n, cfg["group_size"],
@@ -200,8 +201,9 @@ def summarize(steps: list[dict[str, Any]], peak_mb: float, n_params: int, cfg: d
         "measured_steps": len(steps),
         "steps": steps,
     }
-    if any(s.get("generate_s") is not None for s in steps):
-        out["generate_s"] = median([s["generate_s"] for s in steps if s.get("generate_s") is not None])
+    for part in ("generate_s", "logprobs_s"):
+        if any(s.get(part) is not None for s in steps):
+            out[part] = median([s[part] for s in steps if s.get(part) is not None])
     return out
 
 
@@ -229,7 +231,7 @@ def run_llmrl(values: dict[str, Any]) -> dict[str, Any]:
         steps.append({
             "step_s": r["time/rollout_s"] + r["time/update_s"], "rollout_s": r["time/rollout_s"],
             "update_s": r["time/update_s"], "completion_tokens": r["rollout/completion_len"] * n,
-            "prompt_tokens": prompt_tokens,
+            "prompt_tokens": prompt_tokens, "generate_s": r.get("time/generate_s"), "logprobs_s": r.get("time/logprobs_s"),
         })
     n_params = sum(p.numel() for name, p in result.model.named_parameters() if "lora_" not in name)
     return {"side": "llmrl", "steps": steps, "n_params": n_params,
@@ -430,11 +432,12 @@ def format_report(r: dict[str, Any]) -> str:
     lines = [f"llmrl bench: {r['config']}, {r['steps']} measured steps per side after {r['warmup_steps']} warm-up"
              f"{(' ' + per) if per else ''}{rounds}, {r['num_threads']} threads, matmul {r['matmul_gflops']:.1f} GFLOP/s"
              f" ({', '.join(f'{k} {v:.0f}' for k, v in r['matmul_gflops_by_kernel'].items())})",
-             f"{'side':<17} {'s/step':>8} {'rollout':>8} {'update':>8} {'tok/s':>8} {'peak MB':>8}"]
+             f"{'side':<17} {'s/step':>8} {'rollout':>8} {'generate':>8} {'update':>8} {'tok/s':>8} {'peak MB':>8}"]
     for side in ("llmrl", "llmrl_vllm", "trl", "trl_checkpointing"):
         s = r.get(side)
         if s:
-            lines.append(f"{side:<17} {s['step_s']:8.2f} {s['rollout_s']:8.2f} {s['update_s']:8.2f} "
+            gen = f"{s['generate_s']:8.2f}" if s.get("generate_s") is not None else f"{'-':>8}"
+            lines.append(f"{side:<17} {s['step_s']:8.2f} {s['rollout_s']:8.2f} {gen} {s['update_s']:8.2f} "
                          f"{s['tokens_per_s']:8.1f} {s['peak_mb']:8.0f}")
     speed = f"{r['speedup_vs_trl']:.1f}x" if r["speedup_vs_trl"] is not None else "n/a (--no_trl)"
     if r.get("speedup_vs_trl_checkpointing") is not None:

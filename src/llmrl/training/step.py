@@ -53,6 +53,7 @@ class Sampled:
     rollout: Rollout
     rewards: list[Reward]  # [n]
     counts: dict[str, int] = field(default_factory=dict)  # reward_errors, prompts_skipped, sampling rounds...
+    seconds: dict[str, float] = field(default_factory=dict)  # generate_s, logprobs_s: where the rollout's time went
 
 
 @dataclass
@@ -89,6 +90,7 @@ def sample_and_score(run: Run, step: int) -> Sampled:
     kept: list[Sampled] = []  # groups with a reward spread
     flat: list[Sampled] = []  # groups without
     counts = {"reward_errors": 0, "prompts_skipped": 0}
+    seconds = {"generate_s": 0.0, "logprobs_s": 0.0}  # engine generation; old and reference log-prob forwards
     rounds = 0
     while rounds < (cfg.dynamic_sampling_rounds if cfg.dynamic_sampling else 1) and len(kept) < cfg.batch_size:
         need = cfg.batch_size - len(kept) if cfg.dynamic_sampling else cfg.batch_size
@@ -96,21 +98,25 @@ def sample_and_score(run: Run, step: int) -> Sampled:
         first, stop = run.dist.shard(len(examples))
         examples = examples[first:stop]
         hooks.fire("before_rollout", step=step)
+        t0 = time.perf_counter()
         run.engine.sync(run.model)
         out = run.engine.generate([ex.messages for ex in examples], group_size=g,
                                   seed=step_seed(cfg.seed, step) + 7_777 * rounds, first_prompt=first)
+        t1 = time.perf_counter()
         if cfg.old_logprobs == "engine":  # vLLM's own sampled-token log-probs are the behaviour policy
             out.logp_old = out.engine_logp
         out = add_logprobs(run.model, out, chunk=plan.score_chunk, token_budget=plan.token_budget, group_size=g,
                            shared_prefix=plan.shared_prefix_scoring,
                            with_ref=cfg.kl_coef > 0)
+        seconds["generate_s"] += t1 - t0
+        seconds["logprobs_s"] += time.perf_counter() - t1
         owners = [ex for ex in examples for _ in range(g)]  # prompt-major, like the completions
         scores = score(run.task, owners, out.texts, strict=cfg.strict_rewards, where=f"step {step}")
         counts["reward_errors"] += scores.errors
         counts["prompts_skipped"] += skipped
         rounds += 1
         if not cfg.dynamic_sampling:
-            return Sampled(owners, out, scores.rewards, counts)
+            return Sampled(owners, out, scores.rewards, counts, seconds)
         for i in range(len(examples)):
             rows = list(range(i * g, (i + 1) * g))
             group = Sampled([owners[j] for j in rows], select_rows(out, rows), [scores.rewards[j] for j in rows])
@@ -120,7 +126,7 @@ def sample_and_score(run: Run, step: int) -> Sampled:
     counts |= {"sampling_rounds": rounds, "groups_flat_dropped": len(flat) - filled, "groups_flat_kept": filled}
     return Sampled([ex for grp in groups for ex in grp.owners],
                    concat_rollouts([grp.rollout for grp in groups], run.tokenizer.pad_token_id),
-                   [r for grp in groups for r in grp.rewards], counts)
+                   [r for grp in groups for r in grp.rewards], counts, seconds)
 
 
 def reward_shaping(cfg: TrainConfig, out: Rollout) -> dict[str, torch.Tensor]:
@@ -200,8 +206,9 @@ def gather(run: Run, s: Sampled, rewards_t: torch.Tensor) -> Gathered:
 
 
 def step_record(run: Run, g: Gathered, adv: torch.Tensor, stats: UpdateStats, train: dict[str, float],
-                rollout_s: float, update_s: float) -> dict[str, Any]:
-    """Add the step to run.totals and return its metrics.jsonl record (without "step")."""
+                rollout_s: float, update_s: float, seconds: dict[str, float]) -> dict[str, Any]:
+    """Add the step to run.totals and return its metrics.jsonl record (without "step"). `seconds`: the
+    parts of rollout_s (generate_s, logprobs_s) on this rank."""
     cfg, totals = run.cfg, run.totals
     totals.bad_in_a_row = stats.trailing_skips if stats.optimizer_steps else totals.bad_in_a_row + stats.skipped_updates
     totals.optimizer_steps += stats.optimizer_steps
@@ -228,6 +235,7 @@ def step_record(run: Run, g: Gathered, adv: torch.Tensor, stats: UpdateStats, tr
         **{f"rollout/{k}": v for k, v in counts.items()},
         "rollout/completions": totals.completions,
         "time/rollout_s": rollout_s,
+        **{f"time/{k}": v for k, v in seconds.items()},
         "time/update_s": update_s,
         "time/train_s": totals.train_seconds,
     }
@@ -294,7 +302,7 @@ def train_step(run: Run, step: int) -> StepResult:
     stats, train = update(run, s.rollout, g, adv)
     update_s = time.perf_counter() - t0
 
-    metrics = step_record(run, g, adv, stats, train, rollout_s, update_s)
+    metrics = step_record(run, g, adv, stats, train, rollout_s, update_s, s.seconds)
     samples = []
     if cfg.sample_log_interval and step % cfg.sample_log_interval == 0:
         samples = [{"prompt": ex.messages[-1]["content"], "answer": ex.answer, "completion": text, "reward": r.total,
