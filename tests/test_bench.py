@@ -190,8 +190,10 @@ def test_sweep_rows_carry_their_shape_and_forced_rows_have_exactly_their_length(
     rows = json.loads(out.read_text())["sweep"]
     for row in rows:
         for key in ("group_size", "min_new_tokens", "max_new_tokens", "step_s", "tokens_per_s", "flop_limit_ratio",
-                    "peak_mb"):
+                    "peak_mb", "rollout_s", "generate_s", "logprobs_s", "update_s"):
             assert key in row and row[key] is not None, key
+        assert row["step_s"] == pytest.approx(row["rollout_s"] + row["update_s"])
+        assert row["rollout_s"] > row["generate_s"] + row["logprobs_s"]
     own, forced = rows
     assert (own["group_size"], own["min_new_tokens"], own["max_new_tokens"]) == (4, cpu_bench()["min_new_tokens"], 24)
     assert (forced["group_size"], forced["min_new_tokens"], forced["max_new_tokens"]) == (2, 6, 6)

@@ -422,7 +422,8 @@ def run_sweep(values: dict[str, Any], steps: int, warmup: int, flops: float, bas
         rows.append({"group_size": group, "min_new_tokens": min_new, "max_new_tokens": max_new, "step_s": s["step_s"],
                      "tokens_per_s": s["tokens_per_s"], "completion_tokens_per_step": s["completion_tokens_per_step"],
                      "s_per_completion_token": per_token, "flop_limit_ratio": s["flop_limit_ratio"],
-                     "peak_mb": s["peak_mb"]})
+                     "peak_mb": s["peak_mb"], "rollout_s": s["rollout_s"], "generate_s": s.get("generate_s"),
+                     "logprobs_s": s.get("logprobs_s"), "update_s": s["update_s"]})
     return rows
 
 
@@ -455,11 +456,12 @@ def format_report(r: dict[str, Any]) -> str:
                  f"tokens/completion)")
     if r.get("sweep"):
         lines.append("sweep (llmrl): cost as group size and max_new_tokens grow")
-        lines.append(f"{'group':>5} {'new tokens':>10} {'s/step':>8} {'tok/step':>9} {'ms/token':>9} {'flop_ratio':>10} "
-                     f"{'peak MB':>8}")
+        lines.append(f"{'group':>5} {'new tokens':>10} {'s/step':>8} {'generate':>8} {'tok/step':>9} {'ms/token':>9} "
+                     f"{'flop_ratio':>10} {'peak MB':>8}")
         for row in r["sweep"]:
+            gen = f"{row['generate_s']:8.2f}" if row.get("generate_s") is not None else f"{'-':>8}"
             lines.append(f"{row['group_size']:>5} {str(row['min_new_tokens']) + '-' + str(row['max_new_tokens']):>10} "
-                         f"{row['step_s']:8.2f} {row['completion_tokens_per_step']:9.0f} "
+                         f"{row['step_s']:8.2f} {gen} {row['completion_tokens_per_step']:9.0f} "
                          f"{1000 * row['s_per_completion_token']:9.1f} {row['flop_limit_ratio']:10.1f} {row['peak_mb']:8.0f}")
     return "\n".join(lines)
 
