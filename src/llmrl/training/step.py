@@ -90,7 +90,7 @@ def sample_and_score(run: Run, step: int) -> Sampled:
     kept: list[Sampled] = []  # groups with a reward spread
     flat: list[Sampled] = []  # groups without
     counts = {"reward_errors": 0, "prompts_skipped": 0}
-    seconds = {"generate_s": 0.0, "logprobs_s": 0.0}  # engine generation; old and reference log-prob forwards
+    seconds = {"generate_s": 0.0, "logprobs_s": 0.0}  # engine sync (vllm: the adapter) + generation; old/ref log-probs
     rounds = 0
     while rounds < (cfg.dynamic_sampling_rounds if cfg.dynamic_sampling else 1) and len(kept) < cfg.batch_size:
         need = cfg.batch_size - len(kept) if cfg.dynamic_sampling else cfg.batch_size
