@@ -427,6 +427,11 @@ def run_sweep(values: dict[str, Any], steps: int, warmup: int, flops: float, bas
     return rows
 
 
+def seconds_cell(value: float | None) -> str:
+    """A table cell of 8 characters: seconds to 2 decimals, or "-" where a side did not measure them."""
+    return f"{value:8.2f}" if value is not None else f"{'-':>8}"
+
+
 def format_report(r: dict[str, Any]) -> str:
     per = "per process" if r["alternate"] > 1 else ""
     rounds = f", {r['alternate']} alternating rounds" if r["alternate"] > 1 else ""
@@ -437,9 +442,8 @@ def format_report(r: dict[str, Any]) -> str:
     for side in ("llmrl", "llmrl_vllm", "trl", "trl_checkpointing"):
         s = r.get(side)
         if s:
-            gen = f"{s['generate_s']:8.2f}" if s.get("generate_s") is not None else f"{'-':>8}"
-            lines.append(f"{side:<17} {s['step_s']:8.2f} {s['rollout_s']:8.2f} {gen} {s['update_s']:8.2f} "
-                         f"{s['tokens_per_s']:8.1f} {s['peak_mb']:8.0f}")
+            lines.append(f"{side:<17} {s['step_s']:8.2f} {s['rollout_s']:8.2f} {seconds_cell(s.get('generate_s'))} "
+                         f"{s['update_s']:8.2f} {s['tokens_per_s']:8.1f} {s['peak_mb']:8.0f}")
     speed = f"{r['speedup_vs_trl']:.1f}x" if r["speedup_vs_trl"] is not None else "n/a (--no_trl)"
     if r.get("speedup_vs_trl_checkpointing") is not None:
         speed += f" (trl_checkpointing: TRL's default gradient checkpointing on: {r['speedup_vs_trl_checkpointing']:.1f}x)"
@@ -459,9 +463,9 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"{'group':>5} {'new tokens':>10} {'s/step':>8} {'generate':>8} {'tok/step':>9} {'ms/token':>9} "
                      f"{'flop_ratio':>10} {'peak MB':>8}")
         for row in r["sweep"]:
-            gen = f"{row['generate_s']:8.2f}" if row.get("generate_s") is not None else f"{'-':>8}"
             lines.append(f"{row['group_size']:>5} {str(row['min_new_tokens']) + '-' + str(row['max_new_tokens']):>10} "
-                         f"{row['step_s']:8.2f} {gen} {row['completion_tokens_per_step']:9.0f} "
+                         f"{row['step_s']:8.2f} {seconds_cell(row.get('generate_s'))} "
+                         f"{row['completion_tokens_per_step']:9.0f} "
                          f"{1000 * row['s_per_completion_token']:9.1f} {row['flop_limit_ratio']:10.1f} {row['peak_mb']:8.0f}")
     return "\n".join(lines)
 
