@@ -235,6 +235,11 @@ def _worker_main() -> None:
     except (ImportError, ValueError, OSError):
         pass
     logging.disable(logging.CRITICAL)  # math-verify logs every parse failure
+    import math_verify  # noqa: F401 - the imports (seconds on a busy machine) happen before "ready", so
+    import sympy  # noqa: F401     they never count against a job's time limit
+
+    sys.stdout.write(json.dumps(READY) + "\n")
+    sys.stdout.flush()
     for line in sys.stdin:
         job_id, name, args = json.loads(line)
         try:
@@ -246,6 +251,8 @@ def _worker_main() -> None:
 
 
 WORKER_COMMAND = "from llmrl.grading import _worker_main; _worker_main()"
+READY = ["ready"]  # a worker's first line: imports done, jobs may be timed from now
+STARTUP_LIMIT = 300.0  # seconds a worker may take to get ready (a loaded machine imports slowly)
 
 
 class _Worker:
@@ -257,6 +264,8 @@ class _Worker:
         self.fd = self.process.stdout.fileno()  # type: ignore[union-attr]
         self.buffer = b""
         self.job: tuple[int, float] | None = None  # (job index, start time)
+        self.started = time.monotonic()
+        self.ready = False  # set when its READY line arrives; no job is sent before
 
     def send(self, message: list) -> None:
         self.process.stdin.write((json.dumps(message) + "\n").encode())  # type: ignore[union-attr]
@@ -302,6 +311,8 @@ class GradingPool:
         self.workers[self.workers.index(worker)] = _Worker()
 
     def map(self, name: str, jobs: list[tuple]) -> list[tuple[str, Any]]:
+        """A job's time limit counts from when it is sent to a ready worker (one whose imports are
+        done), so a worker starting up on a busy machine does not time out the job it is given."""
         results: list[tuple[str, Any] | None] = [None] * len(jobs)
         with self.lock:
             while len(self.workers) < self.n_workers:
@@ -309,7 +320,7 @@ class GradingPool:
             todo = deque(range(len(jobs)))
             while todo or any(w.job for w in self.workers):
                 for w in self.workers:
-                    if w.job is None and todo:
+                    if w.ready and w.job is None and todo:
                         i = todo.popleft()
                         try:
                             w.send([i, name, list(jobs[i])])
@@ -317,28 +328,38 @@ class GradingPool:
                         except OSError:
                             results[i] = ("error", "grading worker unavailable")
                             self._replace(w)
-                busy = [w for w in self.workers if w.job]
-                if not busy:
+                waiting = [w for w in self.workers if w.job or (not w.ready and todo)]
+                if not waiting:
                     continue
-                deadline = min(w.job[1] for w in busy) + self.time_limit  # type: ignore[index]
-                readable, _, _ = select.select([w.fd for w in busy], [], [], max(0.0, deadline - time.monotonic()))
-                for w in busy:
-                    i, started = w.job  # type: ignore[misc]
+                deadline = min(w.job[1] + self.time_limit if w.job else w.started + STARTUP_LIMIT for w in waiting)
+                readable, _, _ = select.select([w.fd for w in waiting], [], [], max(0.0, deadline - time.monotonic()))
+                for w in waiting:
                     if w.fd in readable:
                         try:
                             reply = w.receive()
                         except (EOFError, OSError, ValueError):  # died (e.g. out of memory) or garbled
-                            results[i] = ("error", "grading worker crashed")
-                            self._replace(w)
+                            self._fail(w, todo, results, "grading worker crashed")
                             continue
-                        if reply is not None:
+                        if reply == READY:
+                            w.ready = True
+                        elif reply is not None and w.job:
                             _, ok, value = reply
-                            results[i] = ("ok", value) if ok else ("error", value)
+                            results[w.job[0]] = ("ok", value) if ok else ("error", value)
                             w.job = None
-                    elif time.monotonic() - started >= self.time_limit:
-                        results[i] = ("timeout", None)
+                    elif w.job and time.monotonic() - w.job[1] >= self.time_limit:
+                        results[w.job[0]] = ("timeout", None)
                         self._replace(w)
+                    elif not w.ready and time.monotonic() - w.started >= STARTUP_LIMIT:
+                        self._fail(w, todo, results, f"grading worker not ready after {STARTUP_LIMIT:.0f} s")
         return results  # type: ignore[return-value]
+
+    def _fail(self, w: _Worker, todo: deque, results: list, why: str) -> None:
+        """A worker died or never started: its job (or, if it had none, the next queued one, so that
+        a pool whose workers cannot start still ends) gets `why`; the worker is replaced."""
+        i = w.job[0] if w.job else todo.popleft() if todo else None
+        if i is not None:
+            results[i] = ("error", why)
+        self._replace(w)
 
     def close(self) -> None:
         with self.lock:
