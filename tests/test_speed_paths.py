@@ -488,9 +488,12 @@ def test_grouped_attention_reads_key_value_heads_in_place(tiny_model_dir, monkey
         results.append((full, shared, grads))
         assert (sum(copies.values()) == 0) == grouped, copies  # repeat_kv called only without grouping
     (f0, s0, g0), (f1, s1, g1) = results
-    torch.testing.assert_close(f1, f0, rtol=0, atol=1e-6)
-    torch.testing.assert_close(s1, s0, rtol=0, atol=1e-6)
-    torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-7)
+    # The two paths run different SDPA kernels: the same sums in another order. In fp32 (u = 2^-24) a
+    # reordered sum of n terms differs by at most ~n·u·Σ|terms|, and an element near 0 is a cancellation of
+    # terms of the tensor's own scale, so the bound is norm-wise: 64·u·max|x| (measured: 0 on the log-probs,
+    # 4.5·u·max|g| on the gradients, AMD EPYC Zen 1). A wrong key/value head mapping moves them by O(max|x|).
+    for new, old in ((f1, f0), (s1, s0), (g1, g0)):
+        torch.testing.assert_close(new, old, rtol=0, atol=64 * 2.0**-24 * old.abs().max().item())
     assert g0.abs().max() > 1e-3  # gradients that a wrong attention would change
 
 
