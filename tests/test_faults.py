@@ -217,6 +217,11 @@ def test_raising_reward_scores_zero_and_is_counted(tmp_path, tiny_model_dir):
 def test_long_prompts_are_truncated_and_counted_or_skipped(tmp_path, tiny_model_dir):
     loop.train(in_process(tiny_model_dir, tmp_path / "t", max_prompt_tokens=8, eval_n=0, steps=1))
     assert train_records(tmp_path / "t")[0]["rollout/prompts_truncated"] == 2
+    # dynamic sampling picks rows group by group: each prompt is still counted once per round it was drawn in
+    loop.train(in_process(tiny_model_dir, tmp_path / "d", max_prompt_tokens=8, eval_n=0, steps=1, batch_size=3,
+                          dynamic_sampling="true", dynamic_sampling_rounds=2))
+    [record] = train_records(tmp_path / "d")
+    assert record["rollout/prompts_truncated"] == 3 * record["rollout/sampling_rounds"]
     with pytest.raises(RunStopped, match="exceed max_prompt_tokens=8"):
         loop.train(in_process(tiny_model_dir, tmp_path / "s", max_prompt_tokens=8, long_prompts="skip", eval_n=0))
 

@@ -44,7 +44,8 @@ class Rollout:
     ended: torch.Tensor  # [N] bool: the completion ended with EOS (False: truncated)
     prompt_len: int  # width of the left-padded prompt block
     texts: list[str]  # decoded completions (without EOS)
-    prompts_truncated: int  # prompts cut to max_prompt_tokens
+    prompts_truncated: int  # prompts the engine cut to max_prompt_tokens in the generate call that made these rows
+    #                         (select_rows keeps the call's count: metrics count per call, not from a selection)
     entropy: torch.Tensor | None = None  # [N, L-1] sampling-policy token entropies at temperature 1 (0 outside)
     engine_logp: torch.Tensor | None = None  # [N, L-1] the engine's own log-probs of the sampled tokens (vllm; 0 outside)
 

@@ -89,7 +89,7 @@ def sample_and_score(run: Run, step: int) -> Sampled:
     cfg, plan, g = run.cfg, run.plan, run.cfg.group_size
     kept: list[Sampled] = []  # groups with a reward spread
     flat: list[Sampled] = []  # groups without
-    counts = {"reward_errors": 0, "prompts_skipped": 0}
+    counts = {"reward_errors": 0, "prompts_skipped": 0, "prompts_truncated": 0}  # over every round's prompts
     seconds = {"generate_s": 0.0, "logprobs_s": 0.0}  # engine sync (vllm: the adapter) + generation; old/ref log-probs
     rounds = 0
     while rounds < (cfg.dynamic_sampling_rounds if cfg.dynamic_sampling else 1) and len(kept) < cfg.batch_size:
@@ -114,6 +114,7 @@ def sample_and_score(run: Run, step: int) -> Sampled:
         scores = score(run.task, owners, out.texts, strict=cfg.strict_rewards, where=f"step {step}")
         counts["reward_errors"] += scores.errors
         counts["prompts_skipped"] += skipped
+        counts["prompts_truncated"] += out.prompts_truncated  # counted here: the rows below are picked per group
         rounds += 1
         if not cfg.dynamic_sampling:
             return Sampled(owners, out, scores.rewards, counts, seconds)
@@ -154,7 +155,7 @@ def update_settings(run: Run) -> UpdateSettings:
     return UpdateSettings(
         algo=cfg.algo, loss=cfg.loss_settings, ppo_epochs=cfg.ppo_epochs, minibatch_size=cfg.minibatch_size,
         grad_accum_steps=cfg.grad_accum_steps, kl_coef=0.0 if cfg.kl_in_reward else cfg.kl_coef,
-        kl_estimator=cfg.kl_estimator, max_grad_norm=cfg.max_grad_norm, shared_prefix=run.plan.shared_prefix_update,
+        kl_estimator=cfg.kl_estimator, kl_agg=cfg.kl_agg, max_grad_norm=cfg.max_grad_norm, shared_prefix=run.plan.shared_prefix_update,
         fuse_accumulation=run.plan.fuse_accumulation, token_budget=run.plan.token_budget, mismatch=cfg.mismatch_correction, mismatch_cap=cfg.mismatch_cap,
         engine_old=cfg.old_logprobs == "engine",
     )
@@ -185,8 +186,7 @@ class Gathered:
     lengths: torch.Tensor  # [N] completion tokens (EOS included)
     scored: torch.Tensor  # [N] tokens the loss sees (after overlong_filter)
     ended: torch.Tensor  # [N] bool
-    counts: dict[str, int]
-    prompts_truncated: int
+    counts: dict[str, int]  # summed over ranks: reward_errors, prompts_skipped, prompts_truncated, sampling rounds...
     first_row: int  # this rank's first global row
 
 
@@ -194,13 +194,12 @@ def gather(run: Run, s: Sampled, rewards_t: torch.Tensor) -> Gathered:
     out = s.rollout
     parts = run.dist.gather({"owners": s.owners, "texts": out.texts, "rewards": s.rewards, "rewards_t": rewards_t,
                              "lengths": out.completion_lens.cpu(), "scored": out.completion_mask.sum(1).cpu(),
-                             "ended": out.ended.cpu(), "counts": s.counts, "prompts_truncated": out.prompts_truncated})
+                             "ended": out.ended.cpu(), "counts": s.counts})
     return Gathered(
         owners=[o for p in parts for o in p["owners"]], texts=[t for p in parts for t in p["texts"]],
         rewards=[r for p in parts for r in p["rewards"]], rewards_t=torch.cat([p["rewards_t"] for p in parts]),
         lengths=torch.cat([p["lengths"] for p in parts]), scored=torch.cat([p["scored"] for p in parts]),
         ended=torch.cat([p["ended"] for p in parts]), counts={k: sum(p["counts"][k] for p in parts) for k in s.counts},
-        prompts_truncated=sum(p["prompts_truncated"] for p in parts),
         first_row=sum(len(p["rewards"]) for p in parts[: run.dist.rank]),
     )
 
@@ -230,7 +229,6 @@ def step_record(run: Run, g: Gathered, adv: torch.Tensor, stats: UpdateStats, tr
         "rollout/completion_len": lengths.mean().item(),
         "rollout/completion_len_max": lengths.max().item(),
         "rollout/truncated_frac": (~g.ended).float().mean().item(),
-        "rollout/prompts_truncated": g.prompts_truncated,
         "rollout/prompts_skipped": totals.prompts_skipped,
         **{f"rollout/{k}": v for k, v in counts.items()},
         "rollout/completions": totals.completions,
