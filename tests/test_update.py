@@ -145,3 +145,41 @@ def test_non_finite_loss_skips_the_update_and_keeps_parameters():
     assert stats.skipped_updates == 1 and stats.optimizer_steps == 0
     assert torch.equal(model.w.detach(), w0)
     assert model.w.grad is None  # nothing left over for the next step
+
+
+@pytest.mark.parametrize("budget", [2**62, 9])  # 9 padded tokens: each 5-row minibatch runs in pieces
+def test_kl_term_follows_the_loss_aggregation_with_kl_agg_loss_agg(budget):
+    """kl_agg=loss_agg: the KL term is aggregated like the policy term (TRL, verl); kl_agg=token_mean (the
+    seed) keeps one token mean. With zero advantages the gradient is kl_coef·∇KL alone; rows of 3, 2, 1
+    completion tokens (not a power of two, 5 rows a minibatch) make the two aggregations differ, and a
+    token budget that splits the minibatch must give the same gradient (pieces weighted by rows, not tokens)."""
+    from llmrl.algorithms.core import KL_ESTIMATORS
+    from llmrl.algorithms.losses import AGGREGATIONS
+    from llmrl.models.scoring import sequence_logprobs
+
+    batch = make_batch(n=5, prompt_len=2, gen=3)
+    batch.completion_mask[1, -1] = 0
+    batch.completion_mask[2, -2:] = 0
+    batch.adv = torch.zeros(5)
+    batch.logp_ref = -torch.linspace(0.3, 2.9, 20).view(5, 4) * batch.completion_mask
+    batch.lengths = batch.completion_mask.sum(1)
+    grads = {}
+    for agg in ("token_mean", "loss_agg"):
+        model = BigramLM()
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the step is a no-op: read the gradient it used
+        settings = UpdateSettings(algo="reinforce", loss=LossSettings(), ppo_epochs=1, minibatch_size=5, grad_accum_steps=1,
+                                  kl_coef=0.37, kl_estimator="k3", max_grad_norm=1e9, kl_agg=agg, token_budget=budget)
+        grad_seen = []
+        opt.step = lambda: grad_seen.append(model.w.grad.clone())  # noqa: B023
+        policy_update(model, opt, batch, settings, torch.Generator().manual_seed(0))
+        expected_model = BigramLM()
+        logp = sequence_logprobs(expected_model, batch.input_ids, batch.attention_mask, batch.prompt_len)[0]
+        kl_t = KL_ESTIMATORS["k3"](logp, batch.logp_ref)
+        m = batch.completion_mask
+        by_hand = (kl_t * m).sum() / m.sum() if agg == "token_mean" else ((kl_t * m).sum(1) / m.sum(1)).mean()
+        assert agg == "token_mean" or torch.allclose(by_hand, AGGREGATIONS["seq_mean_token_mean"](kl_t, m, 1))
+        (0.37 * by_hand).backward()
+        # fp32 sums of ≤ 15 terms in another order: a few ulps of the gradient's scale
+        torch.testing.assert_close(grad_seen[0], expected_model.w.grad, rtol=0, atol=1e-6 * expected_model.w.grad.abs().max().item())
+        grads[agg] = grad_seen[0]
+    assert (grads["token_mean"] - grads["loss_agg"]).abs().max() > 1e-2 * grads["loss_agg"].abs().max()

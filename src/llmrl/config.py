@@ -70,6 +70,8 @@ class TrainConfig:
     loss_agg: str = doc("seq_mean_token_mean", "loss aggregation: seq_mean_token_mean (seed), token_mean (DAPO), seq_mean_token_sum (Dr. GRPO)")
     kl_coef: float = doc(0.05, "weight of the KL penalty to the reference policy (LoRA disabled); 0: no reference pass")
     kl_estimator: str = doc("k3", "per-token KL estimator: k1 (log ratio), k2 (½ log ratio²), k3 (e^Δ − Δ − 1)")
+    kl_agg: str = doc("token_mean", "how the KL term is averaged: token_mean (the seed's: one mean over the minibatch's "
+                      "completion tokens, whatever loss_agg is) or loss_agg (like the policy term, as TRL and verl do)")
     kl_in_reward: bool = doc(False, "subtract kl_coef · sequence KL from the reward instead of adding it to the loss")
     max_grad_norm: float = doc(0.5, "gradient clipping norm")
     adv_estimator: str = doc("group_zscore", "advantages: group_zscore (GRPO), group_mean (Dr. GRPO), rloo, batch_zscore")
@@ -163,7 +165,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "sampling": ("batch_size", "group_size", "min_new_tokens", "max_new_tokens", "max_prompt_tokens", "temperature",
                  "top_p", "top_k", "repetition_penalty"),
     "algorithm": ("algo", "adv_estimator", "adv_clip", "normalize_advantages", "clip_eps", "clip_eps_low",
-                  "clip_eps_high", "ratio_level", "loss_agg", "kl_coef", "kl_estimator", "kl_in_reward",
+                  "clip_eps_high", "ratio_level", "loss_agg", "kl_coef", "kl_estimator", "kl_agg", "kl_in_reward",
                   "dynamic_sampling", "dynamic_sampling_rounds", "overlong_buffer", "overlong_penalty", "overlong_filter"),
     "optimisation": ("lr", "weight_decay", "adam_beta1", "adam_beta2", "warmup_steps", "grad_accum_steps", "ppo_epochs",
                      "minibatch_size", "max_grad_norm"),
@@ -290,6 +292,7 @@ def validate(cfg: TrainConfig) -> None:
     rule(cfg.adv_estimator in ADVANTAGE_ESTIMATORS, "adv_estimator", f"unknown estimator (known: {', '.join(ADVANTAGE_ESTIMATORS)})")
     rule(cfg.ratio_level in RATIOS, "ratio_level", f"unknown ratio (known: {', '.join(RATIOS)})")
     rule(cfg.loss_agg in AGGREGATIONS, "loss_agg", f"unknown aggregation (known: {', '.join(AGGREGATIONS)})")
+    rule(cfg.kl_agg in ("token_mean", "loss_agg"), "kl_agg", "must be token_mean or loss_agg")
     rule(cfg.kl_estimator in KL_ESTIMATORS, "kl_estimator", f"unknown estimator (known: {', '.join(KL_ESTIMATORS)})")
     for name in ("clip_eps_low", "clip_eps_high"):
         rule(getattr(cfg, name) is None or 0 < getattr(cfg, name) < 1, name, "must be in (0, 1)")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from llmrl.algorithms.core import KL_ESTIMATORS, masked_mean, mismatch_weights
-from llmrl.algorithms.losses import LOSSES, LossSettings
+from llmrl.algorithms.losses import AGGREGATIONS, LOSSES, LossSettings
 from llmrl.models.scoring import sequence_logprobs, shared_prefix_logprobs
 from llmrl.training.distributed import Dist, all_reduce_grads
 
@@ -34,6 +34,7 @@ class UpdateSettings:
     kl_coef: float  # 0: no KL term, and the batch needs no logp_ref
     kl_estimator: str  # KL_ESTIMATORS key
     max_grad_norm: float
+    kl_agg: str = "token_mean"  # the KL term's average: token_mean (seed) or loss_agg (as the policy term)
     shared_prefix: bool = False  # rows with the same `group` run their prompt once
     fuse_accumulation: bool = False  # one forward per optimizer window instead of one per minibatch ...
     token_budget: int = 2**62  # ... when the window's padded rows × columns fit this; a minibatch over it
@@ -120,6 +121,26 @@ def add_diff(acc: tuple[float, float, float] | None, a: torch.Tensor, b: torch.T
     return s + d.sum().item(), n + mask.sum().item(), max(m, d.max().item() if d.numel() else 0.0)
 
 
+def kl_term(kl_t: torch.Tensor, mask: torch.Tensor, kl_agg: str, loss: LossSettings) -> torch.Tensor:
+    """The KL term of the loss from per-token estimates kl_t, mask [M, T] → scalar.
+
+    token_mean (the seed's): Σ_it kl_it·m_it / Σ_it m_it, whatever the policy term's aggregation.
+    loss_agg (TRL adds β·kl_t to the per-token loss before its loss_type aggregates; verl's kl_loss uses
+    the policy's loss_agg_mode): AGGREGATIONS[loss.aggregate](kl_t, mask), e.g. seq_mean_token_mean
+    (1/M) Σ_i (Σ_t kl_it·m_it / Σ_t m_it)."""
+    if kl_agg == "token_mean":
+        return masked_mean(kl_t, mask)
+    return AGGREGATIONS[loss.aggregate](kl_t, mask, loss.max_tokens)
+
+
+def share_of(aggregate: str, piece: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> float:
+    """The weight of a forward over global rows `piece` in a mean over the minibatch `rows`: its share of
+    the tokens for a token mean, of the rows for the per-sequence means."""
+    if aggregate == "token_mean":
+        return 1.0 if len(piece) == len(rows) else (lengths[piece].sum() / lengths[rows].sum().clamp(min=1)).item()
+    return len(piece) / len(rows)
+
+
 def own_rows(rows: torch.Tensor, batch: UpdateBatch) -> torch.Tensor:
     """This rank's rows among global `rows` [M] (all of them in one process)."""
     return rows[(rows >= batch.offset) & (rows < batch.offset + batch.adv.shape[0])]
@@ -183,7 +204,7 @@ def policy_update(model, optimizer: torch.optim.Optimizer, batch: UpdateBatch, s
     Minibatches are drawn from a permutation of all N global rows per epoch (the same on every rank);
     each rank computes its rows' share, weighted by its share of the minibatch's rows (or tokens, for
     token means), and the ranks' gradients are summed. loss = (pg + kl_coef·KL) / grad_accum_steps,
-    KL the token mean of KL_ESTIMATORS[kl_estimator]; the minibatches of all epochs, in order, are
+    KL = kl_term of KL_ESTIMATORS[kl_estimator] (a token mean, or the policy's aggregation); the minibatches of all epochs, in order, are
     accumulated into optimizer steps (accumulation_windows: empty ones skipped, a remainder flushed at
     the end). One forward per minibatch, or per window with fuse_accumulation (bigger matmuls, each
     prompt once per window), within token_budget padded tokens (`window_forwards`: a minibatch over it
@@ -229,20 +250,21 @@ def policy_update(model, optimizer: torch.optim.Optimizer, batch: UpdateBatch, s
                     weight = mismatch_weights(proximal - mb["logp_engine"], mb["completion_mask"], s.mismatch,
                                               s.mismatch_cap, in_ratio=s.engine_old and s.algo == "grpo")
                 pg, parts = loss_fn(logp[part], mb["logp_old"], mb["adv"], mb["completion_mask"], s.loss, weight)
-                kl = (masked_mean(kl_fn(logp[part], mb["logp_ref"]), mb["completion_mask"]) if s.kl_coef > 0
+                kl_agg = "token_mean" if s.kl_agg == "token_mean" else s.loss.aggregate
+                kl = (kl_term(kl_fn(logp[part], mb["logp_ref"]), mb["completion_mask"], s.kl_agg, s.loss) if s.kl_coef > 0
                       else torch.zeros((), device=pg.device))
                 # this forward's share of the minibatch's loss (1 in one process, unless split by the budget)
-                token_share = (lengths[piece].sum() / lengths[rows].sum().clamp(min=1)).item()
-                pg_share = token_share if s.loss.aggregate == "token_mean" else len(piece) / len(rows)
-                loss = (pg * pg_share + s.kl_coef * kl * token_share) / s.grad_accum_steps
+                pg_share = share_of(s.loss.aggregate, piece, rows, lengths)
+                kl_share = share_of(kl_agg, piece, rows, lengths)
+                loss = (pg * pg_share + s.kl_coef * kl * kl_share) / s.grad_accum_steps
                 bad = bad or not bool(torch.isfinite(loss))
                 chunk_loss = chunk_loss + loss
                 # logged means are this rank's: weight a piece by its share of the rank's rows (or tokens)
-                tok_w = 1.0 if len(piece) == len(own) else (lengths[piece].sum() / lengths[own].sum().clamp(min=1)).item()
-                pg_w = tok_w if s.loss.aggregate == "token_mean" else len(piece) / len(own)
-                sums["loss"] += (pg * pg_w + s.kl_coef * kl * tok_w).item()
+                pg_w, kl_w = share_of(s.loss.aggregate, piece, own, lengths), share_of(kl_agg, piece, own, lengths)
+                sums["loss"] += (pg * pg_w + s.kl_coef * kl * kl_w).item()
                 sums["pg_loss"] += pg_w * pg.item()
-                sums["kl"] += tok_w * kl.item()
+                sums["kl"] += kl_w * kl.item()
+                tok_w = share_of("token_mean", piece, own, lengths)
                 for key in ("clip_frac", "clip_frac_low", "clip_frac_high"):
                     sums[key] += tok_w * parts.get(key, 0.0)
             if not bad:
