@@ -2,6 +2,7 @@
 sizes, rank-0-only files, and a killed rank ends the run."""
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -85,3 +86,29 @@ def test_bad_world_settings_are_one_line_errors(tmp_path, tiny_model_dir):
     p = run_cli(*args(tiny_model_dir, tmp_path / "r2", device="cuda"), "--nproc", "2") if not torch.cuda.is_available() else None
     if p is not None:
         assert p.returncode != 0 and "CUDA" in p.stderr
+
+
+def test_each_rank_saves_and_restores_its_own_cuda_rng_stream(monkeypatch):
+    """On CUDA every rank's LoRA dropout draws from its own GPU's generator: a checkpoint keeps rank r's
+    as cuda_rank<r> and a resume puts it back on rank r's device (rank 0's states used to be restored
+    into every rank). CUDA is stood in for by a fake generator per device (no GPU here)."""
+    from llmrl.training import run as run_mod
+    from llmrl.training.distributed import Dist
+
+    gpus = {0: torch.tensor([1, 2], dtype=torch.uint8), 1: torch.tensor([7, 9], dtype=torch.uint8)}
+    current = {"device": 1}
+    fake = SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True,
+                           current_device=lambda: current["device"],
+                           get_rng_state=lambda d: gpus[d].clone(),
+                           set_rng_state=lambda t, d: gpus.__setitem__(d, t.clone()))
+    monkeypatch.setattr(run_mod.torch, "cuda", fake)
+    saved = {}
+    for rank in (0, 1):  # what save() gathers: each process reads its own device
+        current["device"] = rank
+        saved |= {f"{k}_rank{rank}": t for k, t in run_mod.rank_rng_state().items()}
+    assert torch.equal(saved["cuda_rank1"], torch.tensor([7, 9], dtype=torch.uint8))
+    gpus[1] = torch.tensor([0, 0], dtype=torch.uint8)  # rank 1's stream moved on, then the run was killed
+    current["device"] = 1
+    state = {"rank_rng": saved, "world_size": 2, "step": 3}
+    run_mod.restore_rank_rng(state, SimpleNamespace(seed=0), Dist(1, 2, 1))
+    assert torch.equal(gpus[1], torch.tensor([7, 9], dtype=torch.uint8)) and torch.equal(gpus[0], torch.tensor([1, 2], dtype=torch.uint8))

@@ -193,6 +193,6 @@ def load_checkpoint(path: Path, model, optimizer: torch.optim.Optimizer, generat
     tensors = load_tensors(path / "rng.pt")
     generator.set_state(tensors.pop("shuffle"))
     state = json.loads((path / "trainer_state.json").read_text())
-    state["rank_rng"] = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith("torch_rank")]}
+    state["rank_rng"] = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith(("torch_rank", "cuda_rank"))]}
     set_rng_state(state["rng"], tensors)
     return state

@@ -148,6 +148,16 @@ def find_resume_checkpoint(cfg: TrainConfig, run_dir: Path) -> Path:
     return checkpoint
 
 
+def rank_rng_state() -> dict[str, torch.Tensor]:
+    """This process's RNG streams that differ between ranks: the CPU generator and, on CUDA, the
+    generator of this rank's own GPU (torch.cuda.current_device(), set from LOCAL_RANK). Rank 0's
+    `rng.pt` entry `cuda_<i>` holds only what rank 0's process drew on GPU i, not rank i's stream."""
+    out = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
+    return out
+
+
 def restore_rank_rng(state: dict[str, Any], cfg: TrainConfig, dist: Dist) -> None:
     """Give each rank its own saved RNG stream back; if the checkpoint came from another world size,
     ranks without a saved stream start a fresh one (only LoRA dropout draws from it)."""
@@ -156,8 +166,11 @@ def restore_rank_rng(state: dict[str, Any], cfg: TrainConfig, dist: Dist) -> Non
     saved = state.get("rank_rng", {}).get(f"torch_rank{dist.rank}")
     if saved is not None and state.get("world_size") == dist.world:
         torch.set_rng_state(saved)
+        cuda = state["rank_rng"].get(f"cuda_rank{dist.rank}")  # this rank's own GPU stream (CUDA LoRA dropout)
+        if cuda is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(cuda, torch.cuda.current_device())
         return
-    torch.manual_seed(mix(cfg.seed, 1 + dist.rank, state["step"]))
+    torch.manual_seed(mix(cfg.seed, 1 + dist.rank, state["step"]))  # seeds this process's CUDA devices too
     if dist.is_main:
         print(f"llmrl: resuming a {state.get('world_size', 1)}-process checkpoint on {dist.world} processes: same "
               "prompts, completions and updates; per-rank dropout RNG streams restart", file=sys.stderr)
@@ -211,12 +224,12 @@ def setup_run(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -
 
 def save(run: Run, step: int) -> Path | None:
     """Checkpoint the run after `step` (rank 0 writes; every rank's dropout RNG goes with it)."""
-    rank_rng = run.dist.gather(torch.get_rng_state())
+    rank_rng = run.dist.gather(rank_rng_state())
     if not run.dist.is_main:
         return None
     state = {"task": run.task.state_dict(), "totals": vars(run.totals), "health": vars(run.health), "config": run.cfg.to_dict(),
              "world_size": run.dist.world}
-    extra = {f"torch_rank{r}": t for r, t in enumerate(rank_rng)} if run.dist.enabled else {}
+    extra = {f"{kind}_rank{r}": t for r, states in enumerate(rank_rng) for kind, t in states.items()} if run.dist.enabled else {}
     try:
         path = save_checkpoint(run.dir, step, run.model, run.optimizer, state, run.shuffle, keep=run.cfg.keep_checkpoints,
                                extra_rng=extra, base_model=run.cfg.model, card=model_card(run.cfg, step, run.dir))
