@@ -5,11 +5,12 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from helpers import TESTS, cli, read_jsonl, run_cli, tiny_args
+from helpers import TESTS, cli, lora_tensors, read_jsonl, run_cli, tiny_args
 
 REPO = TESTS.parent
 
@@ -92,6 +93,31 @@ def test_export_merge_loads_with_plain_transformers_and_gives_llmrl_eval_complet
     assert any(expected)  # something was generated
     p = run_cli("export", str(run), "--out", str(tmp_path / "merged"))
     assert p.returncode == 2 and "not empty" in p.stderr
+
+
+def test_export_merges_in_fp32_when_the_run_trained_in_bf16(tmp_path, tiny_model_dir):
+    """A run with bf16 weights: the merged export is W + s·B·A computed in fp32 from the fp32 base (a merge
+    into bf16 weights rounds each element to 8 bits of mantissa and loses deltas below that), saved in the
+    requested dtype, and the export prints its greedy check."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
+    cli(*tiny_args(tiny_model_dir, run, "grpo", steps=1, eval_n=2, lr=3e-3, lora_dropout=0, dtype="bfloat16"))
+    p = cli("export", str(run), "--out", str(tmp_path / "merged"), "--merge")
+    assert "greedy check: 4/4 eval prompts" in p.stderr  # check=4 prompts by default
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    base = load_file(Path(tiny_model_dir) / "model.safetensors")
+    adapter = lora_tensors(run / "checkpoints" / "step_000001")
+    key = next(k for k in merged if k.endswith("layers.0.self_attn.q_proj.weight"))
+    a = next(v for k, v in adapter.items() if "layers.0.self_attn.q_proj.lora_A" in k)
+    b = next(v for k, v in adapter.items() if "layers.0.self_attn.q_proj.lora_B" in k)
+    delta = (8 / 4) * b.float() @ a.float()  # lora_alpha / r
+    assert merged[key].dtype == torch.float32 and delta.abs().max() > 0
+    # fp32: W + ΔW rounded once (|error| ≤ u·|W + ΔW|, u = 2^-24); a bf16 merge errs by up to 2^-9·|W|
+    expected = base[key].float() + delta
+    assert (merged[key] - expected).abs().max() <= 2.0**-23 * expected.abs().max()
+    p = cli("export", str(run), "--out", str(tmp_path / "bf16"), "--merge", "--dtype", "bfloat16")
+    assert load_file(tmp_path / "bf16" / "model.safetensors")[key].dtype == torch.bfloat16
 
 
 def test_chat_replies_with_the_policy(tmp_path, tiny_model_dir):

@@ -44,19 +44,41 @@ def load_run_config(run_dir: Path, overrides: dict[str, Any] | None = None):
     return load_config(run_dir / CONFIG, overrides or {})
 
 
-def export(path: Path, out: Path, merge: bool = False) -> Path:
-    """Write a portable adapter (or, with `merge`, a full model) of a run or checkpoint to `out`."""
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def export(path: Path, out: Path, merge: bool = False, dtype: str = "float32", check: int = 4) -> Path:
+    """Write a portable adapter (or, with `merge`, a full model) of a run or checkpoint to `out`.
+
+    The merge is W + s·B·A in fp32 whatever precision the run trained in (merging into bf16 weights
+    rounds away small adapter deltas), then cast to `dtype`; afterwards the saved model is loaded back
+    and its greedy completions of `check` eval prompts compared with the unmerged policy's (printed;
+    with dtype bfloat16/float16 the cast itself may change some)."""
     checkpoint, run_dir = find_checkpoint(path)
     cfg = load_run_config(run_dir)
+    if dtype not in EXPORT_DTYPES:
+        raise ConfigError(f"--dtype {dtype}: must be one of {', '.join(EXPORT_DTYPES)}")
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--out {out}: not empty")
     out.mkdir(parents=True, exist_ok=True)
     if merge:
-        model, tokenizer = load_policy(cfg, checkpoint)
-        merged = model.merge_and_unload()
+        import torch
+
+        model, tokenizer = load_policy(dataclasses.replace(cfg, dtype="float32"), checkpoint)
+        prompts = check_prompts(cfg, check)
+        before = greedy_texts(model, tokenizer, prompts, cfg.max_new_tokens)
+        merged = model.merge_and_unload().to(getattr(torch, dtype))
         merged.save_pretrained(out)
         tokenizer.save_pretrained(out)
+        if prompts:
+            from transformers import AutoModelForCausalLM
+
+            reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=getattr(torch, dtype)).to(merged.device)
+            after = greedy_texts(reloaded, tokenizer, prompts, cfg.max_new_tokens)
+            same = sum(a == b for a, b in zip(before, after))
+            print(f"llmrl export: greedy check: {same}/{len(prompts)} eval prompts give the unmerged policy's "
+                  f"completion ({dtype} weights)", file=sys.stderr)
     else:
         shutil.copy(checkpoint / "adapter_model.safetensors", out / "adapter_model.safetensors")
         config = json.loads((checkpoint / "adapter_config.json").read_text())
@@ -66,6 +88,30 @@ def export(path: Path, out: Path, merge: bool = False) -> Path:
     step = json.loads(state.read_text())["step"] if state.is_file() else "?"
     (out / "README.md").write_text(model_card(cfg, step, run_dir, merge), encoding="utf-8")
     return out
+
+
+def check_prompts(cfg, n: int) -> list[list[dict[str, str]]]:
+    """Up to n of the task's eval prompts (none when the task's data is not available here)."""
+    from llmrl.tasks import task_from_config
+
+    try:
+        return [ex.messages for ex in task_from_config(cfg).eval_examples(n)] if n > 0 else []
+    except Exception:  # noqa: BLE001 - no data for the task on this machine: no check
+        return []
+
+
+def greedy_texts(model, tokenizer, prompts: list[list[dict[str, str]]], max_new_tokens: int) -> list[str]:
+    """Plain transformers greedy completions, one prompt at a time (no padding effects)."""
+    import torch
+
+    texts = []
+    with torch.no_grad():
+        for messages in prompts:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(model.device)
+            out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+            texts.append(tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
+    return texts
 
 
 def load_policy(cfg, checkpoint: Path):
@@ -118,6 +164,8 @@ def add_export_parsers(sub) -> None:
     ex.add_argument("--out", required=True, metavar="DIR", help="an empty or new directory")
     ex.add_argument("--merge", action="store_true",
                     help="merge the adapter into the base weights: a full Hugging Face model (AutoModelForCausalLM)")
+    ex.add_argument("--dtype", default="float32", choices=EXPORT_DTYPES,
+                    help="weights of the merged model (merged in fp32 first; bf16/fp16 round W + ΔW and may lose small deltas)")
     ch = sub.add_parser("chat", help="talk to a trained policy in the terminal",
                         description="Greedy replies of a run's policy, with its task's system prompt.")
     ch.add_argument("path", metavar="RUN_OR_CHECKPOINT")
@@ -126,7 +174,7 @@ def add_export_parsers(sub) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    out = export(Path(args.path), Path(args.out), merge=args.merge)
+    out = export(Path(args.path), Path(args.out), merge=args.merge, dtype=args.dtype)
     print(f"llmrl export: {'merged model' if args.merge else 'adapter'} written to {out}")
     return 0
 
