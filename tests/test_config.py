@@ -64,6 +64,7 @@ def test_yaml_unknown_key_and_bad_file(tmp_path):
     (["--algo", "reinforce", "--ppo_epochs", "2"], "ppo_epochs=2: must be 1 with algo=reinforce"),
     (["--nonsense", "3"], "unknown option --nonsense"),
     (["--group_size", "0"], "group_size=0: must be at least 1"),
+    (["--dtype", "float16"], "dtype='float16': float16 is not supported (no loss scaling"),
     (["--model", "nosuchmodel"], "model='nosuchmodel'"),
     (["--config", "/no/such.yaml"], "config file '/no/such.yaml'"),
 ])
@@ -94,3 +95,16 @@ def test_every_field_has_one_help_section():
 
     listed = [name for names in SECTIONS.values() for name in names]
     assert sorted(listed) == sorted(FIELDS)
+
+
+@pytest.mark.parametrize("native_bf16, expected", [(True, "bfloat16"), (False, "float32")])
+def test_auto_precision_on_cuda_follows_native_bf16(monkeypatch, native_bf16, expected):
+    """dtype=auto on a GPU: bf16 only where the GPU has it natively (Ampere+); a T4 or V100 gets fp32 (its
+    emulated bf16 is slow, and fp16 would need loss scaling)."""
+    import torch
+
+    from llmrl.models.loading import pick_dtype
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: native_bf16 or including_emulation)
+    dtype, bf16_products, line = pick_dtype("auto", torch.device("cuda"))
+    assert dtype == getattr(torch, expected) and not bf16_products and expected in line

@@ -89,7 +89,7 @@ class TrainConfig:
     lora_target_modules: list[str] = doc(LORA_TARGETS, "module names that get LoRA adapters (comma-separated)")
     gradient_checkpointing: bool = doc(True, "recompute activations in backward to save memory")
     device: str = doc("auto", "auto, cpu, cuda or cuda:N")
-    dtype: str = doc("auto", "auto (bf16 on CUDA; on CPU bf16 where a native bf16 unit measures faster, else fp32), float32, bfloat16 or float16")
+    dtype: str = doc("auto", "auto (bf16 on CUDA GPUs with native bf16, fp32 on older ones; on CPU bf16 products where a native bf16 unit measures faster, else fp32), float32 or bfloat16 (float16 is refused: no loss scaling)")
     num_threads: int = doc(0, "torch CPU threads (0 = torch's default)")
     dist_timeout: float = doc(600.0, "seconds a rank waits for the others in a collective before the run fails (torchrun)")
     rollout_engine: str = doc("hf", "rollout engine: hf (Hugging Face generate on the policy) or vllm (in-process vLLM, synced through a LoRA adapter every step; `make vllm` on CPU)")
@@ -326,7 +326,9 @@ def validate(cfg: TrainConfig) -> None:
     rule(cfg.math_reward in ("seed", "verify"), "math_reward", "must be seed or verify")
     rule(cfg.grade_time_limit > 0, "grade_time_limit", "must be positive")
     rule(cfg.grade_workers >= 1, "grade_workers", "must be at least 1")
-    rule(cfg.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", "must be auto, float32, bfloat16 or float16")
+    rule(cfg.dtype != "float16", "dtype", "float16 is not supported (no loss scaling: small gradients underflow); "
+         "use bfloat16 (Ampere or newer GPUs) or float32 (older GPUs, e.g. T4, V100)")
+    rule(cfg.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", "must be auto, float32 or bfloat16")
     rule(cfg.math_data is None or Path(cfg.math_data).exists(), "math_data", "no such file or directory")
     if cfg.wandb:
         import importlib.util

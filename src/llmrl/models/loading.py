@@ -136,11 +136,14 @@ def pick_device(device: str) -> torch.device:
 
 def pick_dtype(dtype: str, device: torch.device) -> tuple[torch.dtype, bool, str]:
     """(dtype of the frozen base weights, whether the frozen matmuls run in bf16 on fp32 weights,
-    one line saying why). `auto` → bf16 weights on CUDA; on CPU fp32 weights, with bf16 products
+    one line saying why). `auto` → bf16 weights on CUDA GPUs with native bf16, fp32 on older ones; on CPU fp32 weights, with bf16 products
     where the CPU has a native bf16 unit that measures faster (`cpu_auto_precision`)."""
     if dtype == "auto":
         if device.type == "cuda":
-            return torch.bfloat16, False, "precision: bfloat16 (CUDA)"
+            if torch.cuda.is_bf16_supported(including_emulation=False):  # Ampere (sm_80) and newer
+                return torch.bfloat16, False, "precision: bfloat16 (CUDA)"
+            return torch.float32, False, ("precision: float32 (this GPU has no native bf16, e.g. T4 or V100; "
+                                          "float16 would need loss scaling, which llmrl does not do)")
         from llmrl.models.packed_linear import cpu_auto_precision
 
         return torch.float32, *cpu_auto_precision()
