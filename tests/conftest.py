@@ -7,6 +7,24 @@ import pytest
 # The suite's hand-worked numbers and tolerances are fp32: dtype=auto must not switch to bf16 on a CPU with
 # a bf16 unit (this process and the llmrl subprocesses it starts). bf16 tests ask for it by name.
 os.environ.setdefault("LLMRL_CPU_DTYPE", "float32")
+# ... and they run on the CPU, also on a GPU host (device=auto would pick CUDA and bf16, where fp32-argued
+# tolerances do not hold): the GPU is hidden from this process and its subprocesses. LLMRL_TEST_GPU=1
+# leaves it visible and runs the tests marked `gpu` (skipped otherwise); benchmarks/gpu_check.py is the GPU run.
+if os.environ.get("LLMRL_TEST_GPU") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU and LLMRL_TEST_GPU=1 (skipped otherwise)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("LLMRL_TEST_GPU") == "1":
+        return
+    skip = pytest.mark.skip(reason="GPU test: set LLMRL_TEST_GPU=1 on a machine with a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))  # toy_task for in-process runs

@@ -108,3 +108,37 @@ def test_auto_precision_on_cuda_follows_native_bf16(monkeypatch, native_bf16, ex
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: native_bf16 or including_emulation)
     dtype, bf16_products, line = pick_dtype("auto", torch.device("cuda"))
     assert dtype == getattr(torch, expected) and not bf16_products and expected in line
+
+
+def test_cuda_device_rules(monkeypatch):
+    """--device cuda:N with several processes would put every rank on GPU N; the in-process vLLM engine
+    always takes the first visible GPU: both are refused with one line saying what to do instead."""
+    from llmrl.errors import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="device='cuda:1': with 2 processes each rank takes the GPU of its LOCAL_RANK"):
+        load_config(None, {"device": "cuda:1", "batch_size": 2, "minibatch_size": 6})
+    load_config(None, {"device": "cuda", "batch_size": 2, "minibatch_size": 6})
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ConfigError, match="vLLM engine always runs on the first visible GPU"):
+        load_config(None, {"device": "cuda:1", "rollout_engine": "vllm"})
+
+
+def test_gpu_plan(monkeypatch):
+    """A GPU plan (CUDA faked: no GPU here): forwards capped at CUDA_TOKEN_BUDGET padded tokens (the fp32
+    logits of a whole math_hard rollout are ~20 GB); with gradient checkpointing (the update's full-sequence
+    layout) the bf16 old/ref scoring uses the same layout, not the shared prefix, as the two round differently."""
+    import torch
+
+    from llmrl.config import CUDA_TOKEN_BUDGET, resolve
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    plan = resolve(load_config(None, {"device": "cuda", "gradient_checkpointing": True}))
+    assert plan.dtype == torch.bfloat16 and plan.token_budget == CUDA_TOKEN_BUDGET < 64 * 1024
+    assert not plan.shared_prefix_update and not plan.shared_prefix_scoring
+    plan = resolve(load_config(None, {"device": "cuda", "gradient_checkpointing": False}))
+    assert plan.shared_prefix_update and plan.shared_prefix_scoring
+    # fp32 products: both layouts agree to ~1e-6, the shared prefix stays on for scoring
+    plan = resolve(load_config(None, {"device": "cuda", "dtype": "float32", "gradient_checkpointing": True}))
+    assert plan.shared_prefix_scoring and not plan.shared_prefix_update

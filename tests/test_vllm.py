@@ -70,13 +70,15 @@ def test_greedy_equals_the_hf_policy_after_sync_and_a_stale_engine_is_caught(vll
     engine.sync(model)
     v1, h1 = both()
     assert v1 == h1
-    assert logprob_gap() < 1e-3
+    fresh = logprob_gap()
+    assert fresh < 1e-3  # fp32 on the CPU (the suite's device); bf16 on CUDA: benchmarks/gpu_check.py measures it
 
     perturb_lora(model, 2)  # the policy changes; the engine is not told
     v2, h2 = both()
     assert h2 != h1, "the perturbation must change the policy's greedy completions"
     assert v2 == v1 and v2 != h2  # a stale engine: its outputs did not follow the adapter
-    assert logprob_gap() > 0.05  # rollout/engine_logprob_diff exposes it
+    # rollout/engine_logprob_diff exposes it: far above the synced engine's own gap in any precision
+    assert logprob_gap() > max(0.05, 10 * fresh)
 
     engine.sync(model)
     v3, h3 = both()

@@ -311,6 +311,10 @@ def validate(cfg: TrainConfig) -> None:
          f"vllm is single-process for now (WORLD_SIZE={world}): an engine per torchrun rank is not built yet")
     rule(world == 1 or not cfg.dynamic_sampling, "dynamic_sampling", f"is single-process for now (WORLD_SIZE={world})")
     rule(cfg.dist_timeout > 0, "dist_timeout", "must be positive")
+    rule(world == 1 or not cfg.device.startswith("cuda:"), "device",
+         f"with {world} processes each rank takes the GPU of its LOCAL_RANK: use --device cuda (choose GPUs with CUDA_VISIBLE_DEVICES)")
+    rule(cfg.rollout_engine != "vllm" or cfg.device in ("auto", "cpu", "cuda", "cuda:0"), "device",
+         "the in-process vLLM engine always runs on the first visible GPU: run with CUDA_VISIBLE_DEVICES=N and --device cuda")
     rule(cfg.device == "auto" or cfg.device == "cpu" or cfg.device.startswith("cuda"), "device", "must be auto, cpu, cuda or cuda:N")
     rule(cfg.rollout_engine in ENGINE_NAMES, "rollout_engine", f"unknown engine (known: {', '.join(ENGINE_NAMES)})")
     rule(0 < cfg.vllm_memory <= 1, "vllm_memory", "must be in (0, 1]")
@@ -373,6 +377,8 @@ def save_config(cfg: TrainConfig, path: Path, resolved: list[str] = ()) -> None:
 
 
 CPU_TOKEN_BUDGET = 4096  # padded tokens per CPU forward: ~8 GB of training activations on the embedded model
+CUDA_TOKEN_BUDGET = 8192  # per GPU forward: fp32 logits of 8192 × 151936 (Qwen2.5's vocabulary) = 5.0 GB; the seed's
+#   math_hard minibatch (8 rows × ≤ 512 + 512) fits in one, a whole 64 × 1024 rollout (~20 GB of logits) does not
 
 
 @dataclass(frozen=True)
@@ -420,13 +426,15 @@ def resolve(cfg: TrainConfig) -> Plan:
     return Plan(
         device=device, dtype=dtype, bf16_matmul=bf16_matmul, precision=precision, engine=cfg.rollout_engine,
         # the sampler's decode-step logits match a full forward to ~1e-6 in fp32 only: with bf16 the old
-        # log-probs come from a forward laid out like the training one, so the first ratio is 1. And LoRA
-        # is merged only into weights multiplied in fp32 (a bf16-rounded merged copy loses much of ΔW)
+        # log-probs come from a full forward, with the shared prefix only where the update uses it too
+        # (not with gradient checkpointing), as the two layouts round differently in bf16; the first ratio
+        # is still not exactly 1 (other rows in the batch, LoRA dropout in training). And LoRA is merged
+        # only into weights multiplied in fp32 (a bf16-rounded merged copy loses much of ΔW)
         sampler_logp=cfg.fast and cfg.logp_from_sampler and fp32_products, merge_lora=cfg.fast and cfg.merge_lora_sampling and fp32_products,
-        shared_prefix_scoring=cfg.fast and cfg.shared_prefix,
+        shared_prefix_scoring=cfg.fast and cfg.shared_prefix and (fp32_products or not cfg.gradient_checkpointing),
         shared_prefix_update=cfg.fast and cfg.shared_prefix and not cfg.gradient_checkpointing,
         fuse_accumulation=fuse, score_chunk=cfg.minibatch_size * (cfg.grad_accum_steps if fuse else 1),
-        token_budget=CPU_TOKEN_BUDGET if cpu else 2**62,
+        token_budget=CPU_TOKEN_BUDGET if cpu else CUDA_TOKEN_BUDGET,
         fuse_lora=cfg.fast and cfg.fuse_lora, grouped_attention=cfg.fast and cpu, hash_dropout=cfg.fast and cfg.hash_dropout and cpu, onednn_linear=bool(cfg.fast and cfg.onednn_linear is not False and cpu),
         measure_kernels=cfg.onednn_linear is None,
         keep_heap_memory=cfg.fast and cfg.keep_heap_memory and cpu, gradient_checkpointing=cfg.gradient_checkpointing,

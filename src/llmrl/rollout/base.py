@@ -2,7 +2,7 @@
 which completes a rollout with its old and reference log-probs (engines generate; they do not score).
 
     engine.sync(model)                                   before each rollout: sample from exactly this policy
-    engine.release()                                     after it, before the update
+    engine.release()                                     after generate, before the old/ref forwards and the update
     engine.generate(messages, group_size, seed, first)   G completions per prompt → Rollout (prompt-major)
     engine.greedy(messages, max_new_tokens)              one greedy completion per prompt (eval)
     engine.sample(messages, k, seed, first, sampling)    k sampled completions per prompt (eval with k > 1)
@@ -99,7 +99,8 @@ class RolloutEngine(Protocol):
         """Make the next generate/greedy sample from `model`'s current weights (adapter included)."""
 
     def release(self) -> None:
-        """The rollout is over: free what the engine holds that the update could use (vLLM sleep on CUDA)."""
+        """Generation is over: free what the engine holds that the old/ref forwards and the update could use
+        (vLLM sleep on CUDA)."""
 
     def generate(self, messages: list[list[dict[str, str]]], *, group_size: int, seed: int,
                  first_prompt: int = 0) -> Rollout:

@@ -109,6 +109,7 @@ class VLLMEngine:
     def sync(self, model) -> None:
         """Write the policy's adapter to a new directory and point the next requests at it."""
         if self.sleep_mode and self.llm.llm_engine.is_sleeping():
+            torch.cuda.empty_cache()  # the trainer's cached blocks back to the driver, for vLLM's weights and KV cache
             self.llm.wake_up()
         self.eos = self.eos or eos_ids(model, self.tokenizer)
         old = self.version

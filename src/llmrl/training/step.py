@@ -103,6 +103,7 @@ def sample_and_score(run: Run, step: int) -> Sampled:
         out = run.engine.generate([ex.messages for ex in examples], group_size=g,
                                   seed=step_seed(cfg.seed, step) + 7_777 * rounds, first_prompt=first)
         t1 = time.perf_counter()
+        run.engine.release()  # vLLM on CUDA sleeps now: the old/ref forwards get its memory (sync wakes it)
         if cfg.old_logprobs == "engine":  # vLLM's own sampled-token log-probs are the behaviour policy
             out.logp_old = out.engine_logp
         out = add_logprobs(run.model, out, chunk=plan.score_chunk, token_budget=plan.token_budget, group_size=g,
@@ -131,11 +132,11 @@ def sample_and_score(run: Run, step: int) -> Sampled:
 
 
 def reward_shaping(cfg: TrainConfig, out: Rollout) -> dict[str, torch.Tensor]:
-    """Terms added to the task's rewards, by name ([N] each): DAPO's soft overlong penalty, and the
-    KL penalty −kl_coef · Σ_t KL_t when kl_in_reward."""
+    """Terms added to the task's rewards, by name ([N] each, on the CPU like the rewards, whatever device
+    the rollout is on): DAPO's soft overlong penalty, and the KL penalty −kl_coef · Σ_t KL_t when kl_in_reward."""
     terms: dict[str, torch.Tensor] = {}
     if cfg.overlong_buffer > 0:
-        terms["overlong"] = overlong_penalty(out.completion_lens, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+        terms["overlong"] = overlong_penalty(out.completion_lens.cpu(), cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
     if cfg.kl_in_reward:
         per_token = KL_ESTIMATORS[cfg.kl_estimator](out.logp_old, out.logp_ref) * out.completion_mask  # [N, L-1]
         terms["kl_penalty"] = -cfg.kl_coef * per_token.sum(1).float().cpu()
@@ -289,7 +290,6 @@ def train_step(run: Run, step: int) -> StepResult:
     # 1-3. sample prompts, complete them G times, score the completions
     t0 = time.perf_counter()
     s = sample_and_score(run, step)
-    run.engine.release()
     rewards_t = shaped_rewards(cfg, s)
     rollout_s = time.perf_counter() - t0
     g = gather(run, s, rewards_t)
