@@ -5,9 +5,12 @@ import importlib.util
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 import yaml
+from helpers import kept_logits
 
 from llmrl import bench
 from llmrl.bench import (
@@ -198,3 +201,117 @@ def test_sweep_rows_carry_their_shape_and_forced_rows_have_exactly_their_length(
     assert (own["group_size"], own["min_new_tokens"], own["max_new_tokens"]) == (4, cpu_bench()["min_new_tokens"], 24)
     assert (forced["group_size"], forced["min_new_tokens"], forced["max_new_tokens"]) == (2, 6, 6)
     assert forced["completion_tokens_per_step"] == cpu_bench()["batch_size"] * 2 * 6  # every completion exactly 6 tokens
+
+
+# ---- the TRL side computes what llmrl computes (or the bench says where it does not) ------------------------------
+
+
+def test_token_mean_maps_to_trls_bnpo_not_dapo():
+    from llmrl.bench_trl import trl_settings
+
+    base = {**cpu_bench(), "top_k": 0, "repetition_penalty": 1.0, "adam_beta1": 0.9, "adam_beta2": 0.95,
+            "weight_decay": 0.0}
+    assert trl_settings({**base, "loss_agg": "token_mean"})["loss_type"] == "bnpo"
+    assert trl_settings(base)["loss_type"] == "grpo"
+    assert trl_settings({**base, "loss_agg": "seq_mean_token_sum"})["loss_type"] == "dr_grpo"
+    assert trl_settings(base)["scale_rewards"] == "group"
+    assert trl_settings({**base, "adv_estimator": "group_mean"})["scale_rewards"] == "none"
+    assert trl_settings(base)["use_bias_correction_kl"] is False  # llmrl's KL is not multiplied by the ratio
+    with pytest.raises(ValueError, match="adv_estimator='rloo' has no TRL scale_rewards"):
+        trl_settings({**base, "adv_estimator": "rloo"})
+
+
+class CoinLM(torch.nn.Module):
+    """Two tokens, logits [0, θ] at every position: at θ = 0, d log π(y)/dθ = y − ½ = ±½."""
+
+    def __init__(self):
+        super().__init__()
+        self.theta = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=0, use_cache=False):
+        logits = torch.stack([torch.zeros(input_ids.shape), self.theta.expand(input_ids.shape)], -1)  # [N, L, 2]
+        return SimpleNamespace(logits=kept_logits(logits, logits_to_keep))
+
+
+def test_token_mean_over_an_accumulation_window_is_trls_bnpo_not_dapo():
+    """One window of 2 minibatches (grad_accum_steps 2) of 3 rows with 5 and 7 completion tokens, reinforce:
+    per-token loss ℓ = −A·log π(y), so at θ = 0 its gradient is g = −A·(y − ½):
+
+        row  A     tokens  g per token            minibatch
+        0    0.3   1       −0.15                  1: Σg = −0.15 + 0.55 + 0.35 = 0.75 over n1 = 5 tokens
+        1   −1.1   0 1 1   −0.55, 0.55, 0.55
+        2    0.7   0        0.35
+        3   −0.2   1 1 0    0.1, 0.1, −0.1        2: Σg = 0.1 − 0.9 − 0.6 = −1.4 over n2 = 7 tokens
+        4    0.9   1 1     −0.45, −0.45
+        5   −0.6   0 0     −0.3, −0.3
+
+    llmrl (token mean per minibatch, / grad_accum_steps) and TRL 1.16's bnpo (each micro-batch's
+    Σ ℓ·m / Σ m, / gradient_accumulation_steps): dL/dθ = (0.75/5 − 1.4/7)/2 = −0.025.
+    TRL's dapo divides each micro-batch's Σ ℓ·m by the generation batch's tokens (12, rescaled by
+    gradient_accumulation_steps / steps_per_generation = 1): dL/dθ = (0.75 − 1.4)/12 = −0.0541667.
+    One SGD step at lr 1 moves θ by −dL/dθ."""
+    from llmrl.algorithms.losses import LossSettings
+    from llmrl.training.update import UpdateBatch, UpdateSettings, policy_update
+
+    adv = torch.tensor([0.3, -1.1, 0.7, -0.2, 0.9, -0.6])
+    tokens = torch.tensor([[1, 0, 0], [0, 1, 1], [0, 0, 0], [1, 1, 0], [1, 1, 0], [0, 0, 0]])
+    lengths = torch.tensor([1, 3, 1, 3, 2, 2])
+    ids = torch.cat([torch.zeros(6, 1, dtype=torch.long), tokens], 1)  # [6, 4]: one prompt token
+    mask = (torch.arange(3)[None, :] < lengths[:, None]).float()  # [6, 3]
+    batch = UpdateBatch(input_ids=ids, attention_mask=torch.ones_like(ids), completion_mask=mask,
+                        logp_old=torch.zeros(6, 3), logp_ref=None, adv=adv, group=torch.arange(6) // 3, prompt_len=1,
+                        lengths=mask.sum(1))
+    seed = 24  # its permutation puts rows {0, 1, 2} and {3, 4, 5} in the two minibatches
+    perm = torch.randperm(6, generator=torch.Generator().manual_seed(seed)).tolist()
+    assert {frozenset(perm[:3]), frozenset(perm[3:])} == {frozenset({0, 1, 2}), frozenset({3, 4, 5})}, perm
+
+    # the two aggregations, from TRL 1.16's GRPOTrainer._compute_loss, applied to the per-token gradients g
+    g = [torch.tensor([-0.15, -0.55, 0.55, 0.55, 0.35]), torch.tensor([0.1, 0.1, -0.1, -0.45, -0.45, -0.3, -0.3])]
+    accum = steps_per_generation = 2
+    bnpo = sum(gk.sum() / len(gk) / accum for gk in g)
+    items_in_batch = sum(len(gk) for gk in g)  # num_items_in_batch: the generation batch's completion tokens
+    dapo = sum(gk.sum() / (items_in_batch * accum / steps_per_generation) for gk in g)
+    assert bnpo.item() == pytest.approx(-0.025, rel=1e-6) and dapo.item() == pytest.approx(-0.65 / 12, rel=1e-6)
+
+    model = CoinLM()
+    settings = UpdateSettings(algo="reinforce", loss=LossSettings(aggregate="token_mean"), ppo_epochs=1,
+                              minibatch_size=3, grad_accum_steps=accum, kl_coef=0.0, kl_estimator="k3",
+                              max_grad_norm=1e9)
+    stats = policy_update(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, settings,
+                          torch.Generator().manual_seed(seed))
+    assert stats.optimizer_steps == 1
+    assert model.theta.item() == pytest.approx(0.025, rel=1e-5)  # −bnpo
+    assert abs(model.theta.item() + dapo.item()) > 0.02  # not −dapo = 0.0541667
+
+
+def test_group_zscore_differs_from_trls_scale_rewards_group_and_the_report_says_so():
+    """Rewards 0.1, 0.7, 0.3, 1.3 (G = 4): mean 0.6, population std √0.21 = 0.458258, Bessel std √0.28
+    = 0.529150. llmrl: A = (r − 0.6)/(0.458258 + 1e-6); TRL's scale_rewards=group: (r − 0.6)/(0.529150 + 1e-4),
+    so TRL's A = llmrl's × 0.866 (√(3/4), up to the epsilons): for r = 1.3, 1.527525 vs 1.322587."""
+    from llmrl.algorithms.core import group_zscore_advantages
+    from llmrl.bench_trl import definition_differences
+
+    rewards = torch.tensor([0.1, 0.7, 0.3, 1.3], dtype=torch.float64)
+    llmrl = group_zscore_advantages(rewards, 4)
+    trl = (rewards - rewards.mean()) / (rewards.std(unbiased=True) + 1e-4)  # TRL's nanstd: Bessel's correction
+    assert llmrl[3].item() == pytest.approx(0.7 / (0.21 ** 0.5 + 1e-6), rel=1e-9)  # 1.527525
+    assert trl[3].item() == pytest.approx(0.7 / (0.28 ** 0.5 + 1e-4), rel=1e-9)  # 1.322587
+    assert (trl / llmrl).tolist() == pytest.approx([0.866] * 4, abs=3e-4)
+
+    lines = definition_differences(cpu_bench())
+    (std_line,) = [line for line in lines if "scale_rewards" in line]
+    assert "Bessel std (n-1) + 1e-4" in std_line and "population std (n) + 1e-6" in std_line
+    assert "sqrt((G-1)/G) = 0.866 at G=4" in std_line
+    assert any("temperature (0.8)" in line for line in lines)  # cpu-bench samples at 0.8; TRL scores at it too
+    assert not [line for line in definition_differences({**cpu_bench(), "adv_estimator": "group_mean"})
+                if "scale_rewards" in line]  # group_mean is TRL's scale_rewards=none exactly
+
+    side = {"step_s": 2.0, "rollout_s": 1.5, "update_s": 0.5, "tokens_per_s": 10.0, "peak_mb": 900.0,
+            "prompt_tokens_per_step": 100.0, "mean_completion_tokens": 12.0}
+    report = {"config": "cpu-bench", "steps": 1, "warmup_steps": 1, "alternate": 1, "num_threads": 2,
+              "matmul_gflops": 50.0, "matmul_gflops_by_kernel": {"torch.mm": 50.0}, "llmrl": side, "trl": side,
+              "speedup_vs_trl": 1.0, "flop_limit_ratio": 3.0, "flop_limit_s": 0.5, "matmul": "fastest fp32 kernel",
+              "flop_limit_ratio_fp32": 3.0, "flop_limit_ratio_bf16": 2.0, "flop_limit_ratio_torch_mm": 3.0,
+              "n_params": 1e6, "n_params_counts": "all", "trl_differences": lines}
+    printed = bench.format_report(report).splitlines()
+    assert f"differs from TRL: {std_line}" in printed  # on its own line

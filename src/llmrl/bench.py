@@ -385,6 +385,9 @@ def run_bench(model: str | None = None, config: str | None = None, steps: int = 
             result["trl_checkpointing"]["step_s"] / result["llmrl"]["step_s"] if result["trl_checkpointing"] else None)
         v = result["llmrl_vllm"]
         result["speedup_vllm_vs_trl"] = result["trl"]["step_s"] / v["step_s"] if v and result["trl"] else None
+        from llmrl.bench_trl import definition_differences  # TRL itself is imported only in the TRL child
+
+        result["trl_differences"] = [] if no_trl else definition_differences(values)  # printed under the table
         result["vllm_vs_hf_step_ratio"] = v["step_s"] / result["llmrl"]["step_s"] if v else None  # > 1: vllm slower
         result["flop_limit_ratio"] = result["llmrl"]["flop_limit_ratio"]
         # the same ratio against torch.mm's rate (how this figure was computed before oneDNN was measured)
@@ -451,6 +454,7 @@ def format_report(r: dict[str, Any]) -> str:
                  f"(limit {r['flop_limit_s']:.2f} s/step at the {'bf16' if 'bf16' in r['matmul'] else 'fp32'} rate; "
                  f"{r['flop_limit_ratio_fp32']:.1f} at the fp32 rate, {r['flop_limit_ratio_bf16']:.1f} at the bf16 rate, "
                  f"{r['flop_limit_ratio_torch_mm']:.1f} at torch.mm's)")
+    lines += [f"differs from TRL: {line}" for line in r.get("trl_differences") or []]
     if r.get("llmrl_vllm"):
         trl = f", {r['speedup_vllm_vs_trl']:.1f}x TRL" if r.get("speedup_vllm_vs_trl") else ""
         lines.append(f"llmrl_vllm: {r['vllm_vs_hf_step_ratio']:.2f}x llmrl (hf)'s s/step{trl}")

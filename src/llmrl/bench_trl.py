@@ -25,15 +25,27 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import resource
 import sys
 import time
 from typing import Any
 
 
-# llmrl loss_agg → TRL loss_type; the default, seq_mean_token_mean (masked token mean per sequence, then the
-# mean over sequences), is TRL's "grpo" (TRL's own default is "dapo")
-LOSS_TYPES = {"seq_mean_token_mean": "grpo", "token_mean": "dapo", "seq_mean_token_sum": "dr_grpo"}
+# llmrl loss_agg → TRL loss_type, as TRL 1.16's GRPOTrainer._compute_loss aggregates a micro-batch's per-token loss ℓ
+# (mask m, M rows, divided by gradient_accumulation_steps like llmrl's loss):
+#   seq_mean_token_mean (each row's masked token mean, then the mean over rows) = "grpo" (TRL's default is "dapo")
+#   token_mean (Σ ℓ·m / Σ m over the minibatch) = "bnpo". Not "dapo": that divides each micro-batch's Σ ℓ·m by
+#     the completion tokens of the whole generation batch (rescaled to one accumulation window), so the window's
+#     loss is one token mean over all its micro-batches, which weighs them by their token counts
+#   seq_mean_token_sum (Σ ℓ·m / (M·max_new_tokens)) = "dr_grpo"
+LOSS_TYPES = {"seq_mean_token_mean": "grpo", "token_mean": "bnpo", "seq_mean_token_sum": "dr_grpo"}
+
+# llmrl adv_estimator → TRL scale_rewards. group_mean (r − group mean) = "none" exactly. group_zscore ≈ "group":
+# TRL divides by the group's Bessel std (n − 1) + 1e-4, llmrl by the population std (n) + 1e-6 (SPEC.md), a
+# difference no TRL setting removes, so `definition_differences` states it. rloo and batch_zscore have no TRL twin
+# (TRL's "batch" divides r − group mean by the Bessel std of the batch's rewards, not of those differences).
+SCALE_REWARDS = {"group_zscore": "group", "group_mean": "none"}
 
 
 def trl_settings(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -47,6 +59,10 @@ def trl_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     agg = cfg.get("loss_agg", "seq_mean_token_mean")
     if agg not in LOSS_TYPES:
         raise ValueError(f"TRL side: loss_agg={agg!r} has no TRL loss_type (known: {', '.join(LOSS_TYPES)})")
+    estimator = cfg.get("adv_estimator", "group_zscore")
+    if estimator not in SCALE_REWARDS:
+        raise ValueError(f"TRL side: adv_estimator={estimator!r} has no TRL scale_rewards "
+                         f"(known: {', '.join(SCALE_REWARDS)})")
     generation_kwargs = {"min_new_tokens": cfg["min_new_tokens"]} if cfg["min_new_tokens"] > 0 else None
     return dict(
         per_device_train_batch_size=cfg["minibatch_size"],
@@ -62,8 +78,10 @@ def trl_settings(cfg: dict[str, Any]) -> dict[str, Any]:
         beta=cfg["kl_coef"],
         epsilon=cfg["clip_eps"] if cfg.get("clip_eps_low") is None else cfg["clip_eps_low"],
         epsilon_high=cfg.get("clip_eps_high"),  # None: epsilon
+        importance_sampling_level=cfg.get("ratio_level", "token"),  # sequence: GSPO's exp(mean_t log ratio) both sides
         loss_type=LOSS_TYPES[agg],
-        scale_rewards="group",  # group z-score, as llmrl's group_zscore estimator
+        scale_rewards=SCALE_REWARDS[estimator],  # group_zscore: not the same std (definition_differences)
+        use_bias_correction_kl=False,  # TRL 1.16's default multiplies the per-token KL by the ratio; llmrl does not
         learning_rate=cfg["lr"],
         lr_scheduler_type="constant_with_warmup",  # llmrl: linear warmup, then constant
         warmup_steps=cfg["warmup_steps"] * cfg["ppo_epochs"],  # llmrl counts warmup in RL steps
@@ -84,6 +102,32 @@ def trl_settings(cfg: dict[str, Any]) -> dict[str, Any]:
         dataloader_num_workers=0,
         remove_unused_columns=False,
     )
+
+
+def definition_differences(cfg: dict[str, Any]) -> list[str]:
+    """What the TRL side computes differently from llmrl under `trl_settings(cfg)`, one line each (the
+    bench prints them under its table): differences no TRL setting removes, verified in TRL 1.16's
+    GRPOTrainer. cfg: dict of TrainConfig fields (missing ones take TrainConfig's defaults)."""
+    lines = []
+    group = cfg["group_size"]
+    if cfg.get("adv_estimator", "group_zscore") == "group_zscore" and group > 1:
+        lines.append(
+            "advantages: TRL's scale_rewards=group divides r - group mean by the group's Bessel std (n-1) + 1e-4, "
+            "llmrl's group_zscore by the population std (n) + 1e-6: TRL's advantages are llmrl's x "
+            f"sqrt((G-1)/G) = {math.sqrt((group - 1) / group):.3f} at G={group} (spread well above 1e-4)")
+    if cfg.get("normalize_advantages", False):
+        lines.append("advantages: llmrl's normalize_advantages z-scores them over the batch; TRL does not")
+    if cfg["temperature"] != 1:
+        lines.append(f"log-probs: TRL divides the logits by the sampling temperature ({cfg['temperature']:g}) for the "
+                     "old, new and reference log-probs; llmrl scores at temperature 1 (the seed's)")
+    if cfg["kl_coef"] > 0:
+        if cfg.get("kl_estimator", "k3") != "k3":
+            lines.append(f"KL: TRL's per-token estimator is k3; llmrl's kl_estimator is {cfg['kl_estimator']}")
+        agg = cfg.get("loss_agg", "seq_mean_token_mean")
+        if cfg.get("kl_agg", "token_mean") == "token_mean" and agg != "token_mean":
+            lines.append(f"KL: TRL adds beta*kl_t to the per-token loss, so loss_type={LOSS_TYPES.get(agg, agg)} "
+                         "averages it like the policy term; llmrl takes one token mean of kl_t over the minibatch")
+    return lines
 
 
 def completion_text(completion: Any) -> str:
