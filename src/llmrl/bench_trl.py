@@ -126,8 +126,8 @@ def definition_differences(cfg: dict[str, Any]) -> list[str]:
         agg = cfg.get("loss_agg", "seq_mean_token_mean")
         if cfg.get("kl_agg", "token_mean") == "token_mean" and agg != "token_mean":
             lines.append(f"KL: TRL adds beta*kl_t to the per-token loss, so loss_type={LOSS_TYPES.get(agg, agg)} "
-                         "averages it like the policy term; llmrl's kl_agg=token_mean takes one token mean of kl_t over the "
-                         "minibatch (kl_agg=loss_agg is TRL's)")
+                         "averages it like the policy term; llmrl's kl_agg=token_mean takes one token mean of kl_t "
+                         "over the minibatch (kl_agg=loss_agg is TRL's)")
     return lines
 
 
