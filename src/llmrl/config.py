@@ -19,7 +19,8 @@ import yaml
 from llmrl.errors import ConfigError
 
 ENGINE_NAMES = ("hf", "vllm")  # rollout.ENGINES, without importing torch here
-MISMATCH_CORRECTIONS = ("none", "token_tis", "sequence_mask")  # algorithms.core.mismatch_weights
+# algorithms.core.MISMATCH_WEIGHTS
+MISMATCH_CORRECTIONS = ("none", "token_tis", "sequence_truncate", "sequence_mask", "geo_mean_mask", "seq_mean_k1")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -96,7 +97,7 @@ class TrainConfig:
     vllm_memory: float = doc(0.3, "vllm on CUDA: share of the GPU's memory for the engine (gpu_memory_utilization); on CPU the KV cache is sized to the run's batch")
     vllm_sleep: bool = doc(True, "vllm on CUDA: put the engine to sleep (weights offloaded, KV cache freed) during each update")
     old_logprobs: str = doc("trainer", "where logp_old comes from with the vllm engine: trainer (recomputed, the seed's) or engine (vLLM's own sampled-token log-probs: one forward less)")
-    mismatch_correction: str = doc("none", "training-inference mismatch correction with the vllm engine: none, token_tis (truncated importance weight per token) or sequence_mask (drop completions whose mean log-ratio leaves ±log(cap))")
+    mismatch_correction: str = doc("none", "training-inference mismatch correction with the vllm engine, per completion token x_t = log π_old − log π_engine, r = exp(Σ_t x_t), C = mismatch_cap (README: the table): none; token_tis: each token's loss × min(e^x_t, C) (TRL token_truncate, verl rollout_is=token); sequence_truncate: every token of a completion × min(r, C) (TRL sequence_truncate, verl rollout_is=sequence); sequence_mask: × r where r ≤ C, else 0 (TRL sequence_mask, no lower bound); geo_mean_mask: × 1 where exp(mean_t x_t) is in [1/C, C], else 0, the tokens staying in the normaliser (llmrl's sequence_mask before); seq_mean_k1: the same completions rejected and taken out of the loss mask, so out of the token-mean normaliser and the KL (verl rollout_rs=seq_mean_k1, threshold C). With old_logprobs=engine and grpo, x uses π_θ (detached) and the loss already carries ρ_t = e^x_t, so token_tis weighs min(ρ_t, C)/ρ_t, sequence_truncate min(r, C)/r, sequence_mask 1 where r ≤ C (the other two are unchanged)")
     mismatch_cap: float = doc(2.0, "cap C of mismatch_correction: token weights min(π_old/π_engine, C); sequences kept while exp(mean log-ratio) is in [1/C, C]")
     fast: bool = doc(True, "all speed paths on; false: the plain path (recompute old log-probs, unmerged LoRA while sampling)")
     logp_from_sampler: bool = doc(True, "old log-probs from the sampler's own temperature-1 logits (no second forward)")

@@ -191,27 +191,100 @@ def zero_spread_fraction(rewards: torch.Tensor, group_size: int) -> float:
     return (grouped.max(dim=1).values == grouped.min(dim=1).values).float().mean().item()
 
 
+# Training-inference mismatch correction (rollout_engine=vllm). Each mode is a function
+# (x [N, T], mask [N, T], cap, in_ratio) -> detached per-token loss weights [N, T], where x is the per-token log of
+# the importance weight to correct, already detached and clamped to ±20:
+#   in_ratio=False: x = log π_old − log π_engine, a weight the loss does not carry (its own ratio is π_θ/π_old, or
+#     none for reinforce).
+#   in_ratio=True: x = log π_θ − log π_engine is the loss's own ratio ρ (old_logprobs=engine with grpo); the weight
+#     is then the peer's weight divided by the ratio the loss already carries (ρ_t per token, r per row).
+# r = exp(Σ_t x_t) (clamped to ±20 in log space) is the sequence's importance ratio: the product of its token ratios.
+# Weights outside the mask do not matter (the loss masks those tokens).
+
+
+def _rows(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Per-row values w [N] broadcast to every token: [N, T]."""
+    return w[:, None].expand_as(x).clone()
+
+
+def _log_sequence_ratio(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log r = Σ_t x_t over each row's completion tokens, clamped to ±20: [N, T] → [N]."""
+    return (x * mask).sum(1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def geo_mean_keep(x: torch.Tensor, mask: torch.Tensor, cap: float) -> torch.Tensor:
+    """Rows whose geometric-mean token ratio exp(mean_t x_t) lies in [1/cap, cap]: [N, T] → [N] bool."""
+    return masked_mean_rows(x, mask).abs() <= math.log(cap)
+
+
+def mismatch_none(x: torch.Tensor, mask: torch.Tensor, cap: float, in_ratio: bool) -> torch.Tensor:
+    """No correction: w = 1."""
+    return torch.ones_like(x)
+
+
+def mismatch_token_tis(x: torch.Tensor, mask: torch.Tensor, cap: float, in_ratio: bool) -> torch.Tensor:
+    """Truncated IS per token (TRL's token_truncate without a lower bound; verl's rollout_is=token):
+    w_t = min(e^x_t, cap); in_ratio: min(ρ_t, cap)/ρ_t, so the weighted surrogate is that of ρ truncated at cap."""
+    log_cap = math.log(cap)
+    w = torch.exp(x.clamp(max=log_cap) - x) if in_ratio else torch.exp(x.clamp(max=log_cap))
+    return torch.where(mask > 0, w, torch.ones_like(w))
+
+
+def mismatch_sequence_truncate(x: torch.Tensor, mask: torch.Tensor, cap: float, in_ratio: bool) -> torch.Tensor:
+    """TRL's sequence_truncate (no lower bound), verl's rollout_is=sequence: every token of a row weighs
+    min(r, cap); in_ratio: min(r, cap)/r."""
+    log_r = _log_sequence_ratio(x, mask)  # [N]
+    log_w = log_r.clamp(max=math.log(cap)) - (log_r if in_ratio else 0.0)
+    return _rows(torch.exp(log_w), x)
+
+
+def mismatch_sequence_mask(x: torch.Tensor, mask: torch.Tensor, cap: float, in_ratio: bool) -> torch.Tensor:
+    """TRL's sequence_mask (its default: no lower bound): a row weighs r while r ≤ cap, else 0; its tokens stay
+    in the loss normaliser. in_ratio: 1 while r ≤ cap, else 0."""
+    log_r = _log_sequence_ratio(x, mask)  # [N]
+    kept = torch.ones_like(log_r) if in_ratio else torch.exp(log_r)
+    return _rows(torch.where(log_r <= math.log(cap), kept, torch.zeros_like(log_r)), x)
+
+
+def mismatch_geo_mean_mask(x: torch.Tensor, mask: torch.Tensor, cap: float, in_ratio: bool) -> torch.Tensor:
+    """llmrl's own: a row weighs 1 while exp(mean_t x_t) ∈ [1/cap, cap], else 0 (either way); its tokens stay in
+    the loss normaliser."""
+    return _rows(geo_mean_keep(x, mask, cap).float(), x)
+
+
+def mismatch_seq_mean_k1(x: torch.Tensor, mask: torch.Tensor, cap: float, in_ratio: bool) -> torch.Tensor:
+    """verl's rollout_rs=seq_mean_k1 with threshold cap (bounds 1/cap, cap): geo_mean_mask's rows, weight 1 on the
+    kept ones. The rejected rows also leave the loss mask (`mismatch_loss_mask`), so the normaliser too."""
+    return mismatch_geo_mean_mask(x, mask, cap, in_ratio)
+
+
+# Mismatch corrections by name (config.MISMATCH_CORRECTIONS lists the same names).
+MISMATCH_WEIGHTS: dict[str, Callable[[torch.Tensor, torch.Tensor, float, bool], torch.Tensor]] = {
+    "none": mismatch_none,
+    "token_tis": mismatch_token_tis,
+    "sequence_truncate": mismatch_sequence_truncate,
+    "sequence_mask": mismatch_sequence_mask,
+    "geo_mean_mask": mismatch_geo_mean_mask,
+    "seq_mean_k1": mismatch_seq_mean_k1,
+}
+# Modes whose rejected rows leave the loss mask, not only the loss's numerator.
+MISMATCH_REMOVES_ROWS = ("seq_mean_k1",)
+
+
 def mismatch_weights(log_ratio: torch.Tensor, mask: torch.Tensor, mode: str, cap: float,
                      in_ratio: bool = False) -> torch.Tensor:
-    """Training-inference mismatch correction as detached per-token loss weights: [N, T] → [N, T].
-
-    log_ratio [N, T]: log of the importance weight to correct, per sampled token.
-      - in_ratio=False: x = log π_old − log π_engine, a weight the loss does not carry (its own ratio is
-        π_θ/π_old, or none for reinforce). token_tis: w = min(e^x, cap) (truncated IS, as TRL/verl).
-      - in_ratio=True: x = log π_θ − log π_engine is the loss's own ratio ρ (old_logprobs=engine with
-        grpo). token_tis: w = min(ρ, cap)/ρ, so the weighted surrogate is that of ρ truncated at cap.
-    sequence_mask (either way): w = 1 for rows whose geometric-mean weight exp(mean_t x) lies in
-    [1/cap, cap], else 0 (the whole completion leaves the loss; its tokens stay in the normaliser).
-    none: w = 1. Outside the mask the weight is 1 (those tokens are masked by the loss anyway).
-    """
+    """Training-inference mismatch correction as detached per-token loss weights: log_ratio, mask [N, T] →
+    [N, T] by MISMATCH_WEIGHTS[mode] (see the notes above it: x, r, in_ratio)."""
+    if mode not in MISMATCH_WEIGHTS:
+        raise ValueError(f"unknown mismatch correction {mode!r} (known: {', '.join(MISMATCH_WEIGHTS)})")
     x = log_ratio.detach().float().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    if mode == "none":
-        return torch.ones_like(x)
-    if mode == "token_tis":
-        log_cap = math.log(cap)
-        w = torch.exp(x.clamp(max=log_cap) - x) if in_ratio else torch.exp(x.clamp(max=log_cap))
-        return torch.where(mask > 0, w, torch.ones_like(w))
-    if mode == "sequence_mask":
-        keep = masked_mean_rows(x, mask).abs() <= math.log(cap)  # [N]
-        return keep.float()[:, None].expand_as(x).clone()
-    raise ValueError(f"unknown mismatch correction {mode!r}")
+    return MISMATCH_WEIGHTS[mode](x, mask, cap, in_ratio)
+
+
+def mismatch_loss_mask(log_ratio: torch.Tensor, mask: torch.Tensor, mode: str, cap: float) -> torch.Tensor:
+    """The completion mask the loss averages over: mask [N, T], except that the MISMATCH_REMOVES_ROWS modes
+    (verl's rejection) zero the rows they reject, so these leave the token-mean normaliser and the KL term."""
+    if mode not in MISMATCH_REMOVES_ROWS:
+        return mask
+    x = log_ratio.detach().float().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return mask * geo_mean_keep(x, mask, cap).to(mask.dtype)[:, None]

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from llmrl.algorithms.core import KL_ESTIMATORS, masked_mean, mismatch_weights
+from llmrl.algorithms.core import (
+    KL_ESTIMATORS, MISMATCH_REMOVES_ROWS, masked_mean, mismatch_loss_mask, mismatch_weights,
+)
 from llmrl.algorithms.losses import AGGREGATIONS, LOSSES, LossSettings
 from llmrl.models.scoring import sequence_logprobs, shared_prefix_logprobs
 from llmrl.training.distributed import Dist, all_reduce_grads
@@ -245,6 +247,9 @@ def policy_update(model, optimizer: torch.optim.Optimizer, batch: UpdateBatch, s
                 weight = None
                 if s.engine_old and stats.optimizer_steps + stats.skipped_updates == 0:  # θ is still θ_old
                     stats.engine_diff = add_diff(stats.engine_diff, logp[part], mb["logp_old"], mb["completion_mask"])
+                if s.mismatch in MISMATCH_REMOVES_ROWS:  # verl's rejection: rows leave the mask the loss and KL average
+                    x = (logp[part].detach() if s.engine_old else mb["logp_old"]) - mb["logp_engine"]
+                    mb["completion_mask"] = mismatch_loss_mask(x, mb["completion_mask"], s.mismatch, s.mismatch_cap)
                 if s.mismatch != "none":
                     proximal = logp[part].detach() if s.engine_old else mb["logp_old"]
                     weight = mismatch_weights(proximal - mb["logp_engine"], mb["completion_mask"], s.mismatch,
