@@ -14,7 +14,8 @@ _EXPORTS = {
     "TrainConfig": "llmrl.config", "load_config": "llmrl.config",
     "train": "llmrl.training.loop", "TrainResult": "llmrl.training.loop",
     "Example": "llmrl.tasks", "Reward": "llmrl.tasks", "Task": "llmrl.tasks", "TASKS": "llmrl.tasks",
-    "register_reward": "llmrl.tasks", "make_task": "llmrl.tasks",
+    "register_reward": "llmrl.tasks", "make_task": "llmrl.tasks", "register_env": "llmrl.tasks",
+    "Environment": "llmrl.tasks", "Episode": "llmrl.tasks", "Turn": "llmrl.tasks",
 }
 
 

@@ -55,6 +55,11 @@ class TrainConfig:
     top_p: float = doc(0.95, "nucleus sampling threshold (1 = off)")
     top_k: int = doc(0, "top-k sampling (0 = off)")
     repetition_penalty: float = doc(1.0, "repetition penalty while sampling (1 = off)")
+    # multi-turn environments (tasks/env.py)
+    max_turns: int | None = doc(None, "environments: replies per episode at most (default: the environment's own max_turns)")
+    episode_tokens: int | None = doc(None, "environments: sampled tokens per episode, all replies together (default: max_turns × max_new_tokens)")
+    max_env_tokens: int = doc(256, "environments: tokens of one environment message's content; longer ones are cut with a marker (counted)")
+    env_timeout: float = doc(10.0, "environments: seconds one environment step may take; a step that overruns or raises ends its episode with reward 0 (counted)")
     # optimisation
     lr: float = doc(3e-5, "AdamW learning rate for the LoRA parameters")
     weight_decay: float = doc(0.0, "AdamW weight decay")
@@ -98,7 +103,7 @@ class TrainConfig:
     vllm_sleep: bool = doc(True, "vllm on CUDA: put the engine to sleep (weights offloaded, KV cache freed) during each update")
     old_logprobs: str = doc("trainer", "where logp_old comes from with the vllm engine: trainer (recomputed, the seed's) or engine (vLLM's own sampled-token log-probs: one forward less)")
     mismatch_correction: str = doc("none", "training-inference mismatch correction with the vllm engine, per completion token x_t = log π_old − log π_engine, r = exp(Σ_t x_t), C = mismatch_cap (README: the table): none; token_tis: each token's loss × min(e^x_t, C) (TRL token_truncate, verl rollout_is=token); sequence_truncate: every token of a completion × min(r, C) (TRL sequence_truncate, verl rollout_is=sequence); sequence_mask: × r where r ≤ C, else 0 (TRL sequence_mask, no lower bound); geo_mean_mask: × 1 where exp(mean_t x_t) is in [1/C, C], else 0, the tokens staying in the normaliser (llmrl's sequence_mask before); seq_mean_k1: the same completions rejected and taken out of the loss mask, so out of the token-mean normaliser and the KL (verl rollout_rs=seq_mean_k1, threshold C). With old_logprobs=engine and grpo, x uses π_θ (detached) and the loss already carries ρ_t = e^x_t, so token_tis weighs min(ρ_t, C)/ρ_t, sequence_truncate min(r, C)/r, sequence_mask 1 where r ≤ C (the other two are unchanged)")
-    mismatch_cap: float = doc(2.0, "cap C of mismatch_correction: token weights min(π_old/π_engine, C); sequences kept while exp(mean log-ratio) is in [1/C, C]")
+    mismatch_cap: float = doc(2.0, "cap C of mismatch_correction (every mode; see its help): token_tis and sequence_truncate cap their weight at C, sequence_mask drops r > C, geo_mean_mask and seq_mean_k1 keep exp(mean log-ratio) within [1/C, C]")
     fast: bool = doc(True, "all speed paths on; false: the plain path (recompute old log-probs, unmerged LoRA while sampling)")
     logp_from_sampler: bool = doc(True, "old log-probs from the sampler's own temperature-1 logits (no second forward)")
     merge_lora_sampling: bool = doc(True, "merge LoRA into the base weights while sampling (exact weights restored after; only where the base is multiplied in fp32: a merged copy rounded to bf16 loses much of the adapter)")
@@ -165,6 +170,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
             "old_logprobs", "mismatch_correction", "mismatch_cap"),
     "sampling": ("batch_size", "group_size", "min_new_tokens", "max_new_tokens", "max_prompt_tokens", "temperature",
                  "top_p", "top_k", "repetition_penalty"),
+    "environments": ("max_turns", "episode_tokens", "max_env_tokens", "env_timeout"),
     "algorithm": ("algo", "adv_estimator", "adv_clip", "normalize_advantages", "clip_eps", "clip_eps_low",
                   "clip_eps_high", "ratio_level", "loss_agg", "kl_coef", "kl_estimator", "kl_agg", "kl_in_reward",
                   "dynamic_sampling", "dynamic_sampling_rounds", "overlong_buffer", "overlong_penalty", "overlong_filter"),
@@ -185,7 +191,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
 # The fields `llmrl eval` uses (the model, its adapter's shape, the task, eval, speed); others are refused there.
 EVAL_FIELDS = frozenset(SECTIONS["task and data"] + SECTIONS["LoRA"] + SECTIONS["advanced speed switches"] + (
     "seed", "device", "dtype", "rollout_engine", "vllm_memory", "max_new_tokens", "max_prompt_tokens", "eval_n", "eval_batch_size",
-    "eval_samples_per_prompt", "eval_temperature", "eval_top_p", "eval_max_new_tokens"))
+    "eval_samples_per_prompt", "eval_temperature", "eval_top_p", "eval_max_new_tokens", "max_turns", "episode_tokens",
+    "max_env_tokens", "env_timeout"))
 
 # Fields a resumed run may change; any other difference from the checkpoint's config is an error.
 RESUME_MAY_CHANGE = {
@@ -193,7 +200,7 @@ RESUME_MAY_CHANGE = {
     "keep_checkpoints", "sample_log_interval", "max_bad_steps", "strict_rewards", "wandb", "wandb_project", "tensorboard", "report",
     "run_name", "num_threads", "device", "strict_health", "health_steps", "health_truncated_frac",
     "health_zero_spread_frac", "health_max_kl", "health_max_clip_frac", "grade_time_limit", "grade_workers", "fast", "dist_timeout", "logp_from_sampler", "shared_prefix", "fuse_accumulation", "onednn_linear", "fuse_lora",
-    "merge_lora_sampling", "keep_heap_memory", "vllm_memory", "vllm_sleep",
+    "merge_lora_sampling", "keep_heap_memory", "vllm_memory", "vllm_sleep", "env_timeout",
 }
 
 
@@ -297,6 +304,10 @@ def validate(cfg: TrainConfig) -> None:
     rule(cfg.kl_estimator in KL_ESTIMATORS, "kl_estimator", f"unknown estimator (known: {', '.join(KL_ESTIMATORS)})")
     for name in ("clip_eps_low", "clip_eps_high"):
         rule(getattr(cfg, name) is None or 0 < getattr(cfg, name) < 1, name, "must be in (0, 1)")
+    rule(cfg.max_turns is None or cfg.max_turns >= 1, "max_turns", "must be at least 1")
+    rule(cfg.episode_tokens is None or cfg.episode_tokens >= 1, "episode_tokens", "must be at least 1")
+    rule(cfg.max_env_tokens >= 1, "max_env_tokens", "must be at least 1")
+    rule(cfg.env_timeout > 0, "env_timeout", "must be positive")
     rule(cfg.dynamic_sampling_rounds >= 1, "dynamic_sampling_rounds", "must be at least 1")
     rule(0 <= cfg.overlong_buffer <= cfg.max_new_tokens, "overlong_buffer", f"must be in [0, max_new_tokens={cfg.max_new_tokens}]")
     rule(cfg.overlong_penalty >= 0, "overlong_penalty", "must not be negative")

@@ -6,6 +6,7 @@ which completes a rollout with its old and reference log-probs (engines generate
     engine.generate(messages, group_size, seed, first)   G completions per prompt → Rollout (prompt-major)
     engine.greedy(messages, max_new_tokens)              one greedy completion per prompt (eval)
     engine.sample(messages, k, seed, first, sampling)    k sampled completions per prompt (eval with k > 1)
+    engine.continue_ids(contexts, keys, sampling, n)     one reply per context of token ids (multi-turn episodes)
 """
 
 from __future__ import annotations
@@ -94,6 +95,16 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
     )
 
 
+@dataclass
+class Reply:
+    """One reply generated from exact token ids (multi-turn): its token ids (EOS included when it ended),
+    whether it ended with EOS, and the engine's log-prob of each token (None when not computed)."""
+
+    ids: list[int]
+    ended: bool
+    logp: list[float] | None = None
+
+
 class RolloutEngine(Protocol):
     def sync(self, model) -> None:
         """Make the next generate/greedy sample from `model`'s current weights (adapter included)."""
@@ -109,6 +120,12 @@ class RolloutEngine(Protocol):
 
     def greedy(self, messages: list[list[dict[str, str]]], max_new_tokens: int) -> tuple[list[str], int]:
         """One greedy completion per prompt: (texts, number cut at max_new_tokens)."""
+
+    def continue_ids(self, contexts: list[list[int]], keys: list[int], sampling: Sampling, max_new_tokens: int,
+                     greedy: bool = False, group_size: int = 1) -> list[Reply]:
+        """Token-in/token-out: one reply per context of exact token ids (no chat template), noise keyed
+        by keys (greedy: argmax); contexts come in runs of group_size equal ones (an engine may share
+        their prefill). Multi-turn episodes (rollout/episodes.py) are made of these."""
 
     def sample(self, messages: list[list[dict[str, str]]], *, k: int, seed: int, first_prompt: int,
                sampling: Sampling) -> tuple[list[str], int]:

@@ -18,7 +18,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from llmrl.algorithms.core import completion_mask
 from llmrl.models.lora import merged_lora
 from llmrl.models.scoring import CACHE, inference_mode, position_ids, sampler_logprobs
-from llmrl.rollout.base import Rollout, Sampling
+from llmrl.rollout.base import Reply, Rollout, Sampling
 from llmrl.rollout.keyed import KeyedSampler, mix
 from llmrl.rollout.prompts import decode_completions, encode_prompts, eos_ids
 
@@ -163,6 +163,36 @@ class HFEngine:
             input_ids=sequences, attention_mask=attention, completion_mask=mask, logp_old=logp_old, logp_ref=None,
             ended=ended, prompt_len=prompt_len, texts=texts, prompts_truncated=truncated, entropy=entropy,
         )
+
+    def continue_ids(self, contexts: list[list[int]], keys: list[int], s: Sampling, max_new_tokens: int,
+                     greedy: bool = False, group_size: int = 1) -> list[Reply]:
+        """Token-in/token-out (multi-turn): one reply to each context of exact token ids, drawn with `s`
+        and noise keyed by `keys` (greedy: argmax, keys unused). The sampler's raw logits give each
+        reply token's log-prob where `sampler_logp` holds (the trainer's full forward matches them).
+        group_size: consecutive runs of that many equal contexts (an episode's first turn) are
+        prefilled once each, as `generate` does for a group."""
+        model = self.model
+        device = next(model.parameters()).device
+        width = max(len(c) for c in contexts)
+        unique = contexts[::group_size]
+        assert all(contexts[i] == unique[i // group_size] for i in range(len(contexts))), "contexts are not in groups"
+        ids = torch.full((len(unique), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, c in enumerate(unique):
+            ids[i, width - len(c):], mask[i, width - len(c):] = torch.tensor(c, dtype=torch.long), 1
+        config = self._config(repetition_penalty=s.repetition_penalty, min_new_tokens=0 if greedy else s.min_new_tokens,
+                              max_new_tokens=max_new_tokens)
+        sampler = None if greedy else KeyedSampler(keys, width, s.temperature, s.top_p, s.top_k)
+        with inference_mode(model), merged_lora(model, self.merge_lora):
+            sequences, logits = generate(model, ids.to(device), mask.to(device), group_size, config, sampler,
+                                         with_logits=self.sampler_logp and not greedy)
+        cmask, ended = completion_mask(sequences, width, config.eos_token_id)
+        logp = sampler_logprobs(logits, sequences, width)[0] if logits is not None else None
+        del logits
+        lengths = cmask.sum(1).long().tolist()
+        return [Reply(sequences[i, width: width + n].tolist(), bool(ended[i]),
+                      None if logp is None else logp[i, width - 1: width - 1 + n].tolist())
+                for i, n in enumerate(lengths)]
 
     @torch.no_grad()
     def greedy(self, messages: list[list[dict[str, str]]], max_new_tokens: int) -> tuple[list[str], int]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -30,7 +31,7 @@ import torch
 
 from llmrl.algorithms.core import completion_mask
 from llmrl.errors import ConfigError
-from llmrl.rollout.base import Rollout, Sampling
+from llmrl.rollout.base import Reply, Rollout, Sampling
 from llmrl.rollout.keyed import mix
 from llmrl.rollout.prompts import decode_completions, encode_prompts, eos_ids
 
@@ -162,6 +163,25 @@ class VLLMEngine:
                sampling: Sampling) -> tuple[list[str], int]:
         r = self._draw(messages, k, seed, first_prompt, sampling, logprobs=False)
         return r.texts, int((~r.ended).sum())
+
+    def continue_ids(self, contexts: list[list[int]], keys: list[int], s: Sampling, max_new_tokens: int,
+                     greedy: bool = False, group_size: int = 1) -> list[Reply]:
+        """Token-in/token-out (multi-turn): one request per context of exact token ids, seeded by its key;
+        vLLM's raw log-prob of each reply token comes back with it."""
+        if greedy:
+            params = [self._params(n=1, temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=self.eos,
+                                   skip_special_tokens=True, logprobs=0)] * len(contexts)
+        else:
+            params = self._sampling_params(dataclasses.replace(s, max_new_tokens=max_new_tokens), keys, logprobs=True)
+        prompts = [self._prompt(prompt_token_ids=list(c)) for c in contexts]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.request)
+        replies = []
+        for o in (out.outputs[0] for out in outputs):
+            ids = list(o.token_ids)
+            end = next((j for j, t in enumerate(ids) if t in self.eos), None)  # up to and including the first EOS
+            ids = ids if end is None else ids[: end + 1]
+            replies.append(Reply(ids, end is not None, [step[t].logprob for step, t in zip(o.logprobs, ids)]))
+        return replies
 
     def greedy(self, messages: list[list[dict[str, str]]], max_new_tokens: int) -> tuple[list[str], int]:
         params = self._params(n=1, temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=self.eos,

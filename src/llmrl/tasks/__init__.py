@@ -7,14 +7,32 @@ from __future__ import annotations
 from pathlib import Path
 
 from llmrl.tasks.base import Example, Reward, Task
+from llmrl.tasks.calculator import CalculatorEnv
 from llmrl.tasks.custom import REWARD_FUNCTIONS, FunctionTask, build_custom, register_reward
+from llmrl.tasks.env import Environment, Episode, Turn, is_environment
 from llmrl.tasks.format_copy import FormatCopyTask
+from llmrl.tasks.guess import GuessEnv
 from llmrl.tasks.math_hard import MathHardTask
 
 TASKS: dict[str, type] = {
     "format_copy": FormatCopyTask,
     "math_hard": MathHardTask,
+    "calculator": CalculatorEnv,
+    "guess": GuessEnv,
 }
+
+
+def register_env(name: str, cls: type | None = None):
+    """Register an environment class (tasks/env.py: Environment) as task `name`, built as cls(seed=...).
+    Usable as a call or as a class decorator: `@register_env("maze")`."""
+
+    def add(c: type) -> type:
+        if not getattr(c, "is_environment", False):
+            raise TypeError(f"register_env({name!r}): {c.__name__} is not an Environment (subclass llmrl.Environment)")
+        TASKS[name] = c
+        return c
+
+    return add(cls) if cls is not None else add
 
 
 def make_task(name: str, seed: int, math_data: str | None = None, prompts: str | None = None, **math_options) -> Task:
@@ -43,5 +61,5 @@ def is_task_name(name: str) -> bool:
     return bool(sep and module and attr.isidentifier())
 
 
-__all__ = ["TASKS", "Example", "FunctionTask", "is_task_name", "Reward", "Task", "make_task", "register_reward",
+__all__ = ["TASKS", "register_env", "Environment", "Episode", "Turn", "is_environment", "Example", "FunctionTask", "is_task_name", "Reward", "Task", "make_task", "register_reward",
            "task_from_config"]

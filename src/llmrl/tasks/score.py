@@ -44,3 +44,25 @@ def score(task: Task, examples: list[Example], texts: list[str], *, strict: bool
             errors += 1
             rewards.append(Reward(total=0.0, components={}))
     return Scores(rewards, errors)
+
+
+def score_episodes(env, episodes: list, *, strict: bool, where: str) -> Scores:
+    """Score multi-turn episodes with env.reward, handled like `score`: an episode that the environment
+    ended by raising or timing out scores 0 (counted in rollout/env_errors, not here); a reward that
+    raises or is not finite scores 0 and is counted (with `strict`, either stops the run)."""
+    rewards, errors = [], 0
+    for ep in episodes:
+        if ep.cut == "env_error":
+            if strict:
+                raise RunStopped(f"{where}: the environment failed: {ep.error} (--strict_rewards); the last checkpoint is intact")
+            rewards.append(Reward(total=0.0, components={}))
+            continue
+        try:
+            rewards.append(_checked(env.reward(ep)))
+        except Exception as e:  # noqa: BLE001 - a user's environment may raise anything
+            if strict:
+                raise RunStopped(f"{where}: the environment's reward raised {type(e).__name__}: {e} (--strict_rewards); "
+                                 "the last checkpoint is intact") from None
+            errors += 1
+            rewards.append(Reward(total=0.0, components={}))
+    return Scores(rewards, errors)

@@ -12,7 +12,7 @@ from llmrl.rollout.base import RolloutEngine, Sampling
 from llmrl.rollout.keyed import mix
 from llmrl.tasks import Example, Task
 from llmrl.tasks.base import Judgement, Reward
-from llmrl.tasks.score import score
+from llmrl.tasks.score import score, score_episodes
 from llmrl.training.distributed import Dist
 
 EVAL_NOISE = 0xE7A1  # sampled eval's noise: keyed by (run seed, this, prompt index, sample index), the same every eval
@@ -69,17 +69,20 @@ def sampled_metrics(judged: list[Judgement], k: int, majority: bool = True) -> d
 
 def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], *, max_new_tokens: int,
              dist: Dist | None = None, samples_per_prompt: int = 1, sampling: Sampling | None = None,
-             seed: int = 0) -> tuple[dict[str, float], list[dict[str, Any]]]:
+             seed: int = 0, episodes=None) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Decode every example (greedy, or samples_per_prompt = k completions each with `sampling`);
     return (metrics named eval/…, one sample row per completion). With several ranks, each decodes a
     contiguous shard and the texts are gathered. Rewards go through the same scoring as training: one
     that raises scores 0 and is counted in eval/reward_errors. With k > 1 the task's metrics are means
-    over all k·n completions, plus pass@j and maj@k."""
+    over all k·n completions, plus pass@j and maj@k. An environment (`episodes`, its EpisodeRunner)
+    plays whole episodes instead: greedy, or k sampled ones per example."""
     dist = dist or Dist()
     k = samples_per_prompt
     per_rank = -(-len(examples) // dist.world)
     first = dist.rank * per_rank
     mine = examples[first : first + per_rank]
+    if episodes is not None:
+        return evaluate_episodes(engine, task, examples, mine, first, dist, k, sampling, seed, episodes)
     if not mine:
         texts, truncated = [], 0
     elif k == 1:
@@ -107,4 +110,34 @@ def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], *, max_
         {"prompt": ex.messages[-1]["content"], "answer": ex.answer, "completion": t, "reward": r.total}
         for ex, t, r in zip(owners, texts, scores.rewards)
     ]
+    return metrics, rows
+
+
+def evaluate_episodes(engine, env, examples: list[Example], mine: list[Example], first: int, dist: Dist, k: int,
+                      sampling: Sampling | None, seed: int, episodes) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """`evaluate` for an environment: greedy episodes (k = 1) or k sampled ones per example, scored by
+    env.reward; pass@j from env.correct when it says."""
+    played = []
+    if mine:
+        _, played = episodes(engine, mine, group_size=k, seed=mix(seed, EVAL_NOISE), first_prompt=first,
+                             sampling=sampling, greedy=k == 1)
+    played = [ep for part in dist.gather(played) for ep in part]
+    scores = score_episodes(env, played, strict=False, where="eval")
+    try:
+        metrics = {f"eval/{name}": v for name, v in env.evaluate(played).items()}
+    except Exception as e:  # noqa: BLE001 - a user's evaluate may raise anything; the run goes on
+        print(f"llmrl: eval: the environment's evaluate raised {type(e).__name__}: {e}; only eval/reward is logged",
+              file=sys.stderr)
+        metrics = {}
+    n = max(len(played), 1)
+    metrics["eval/reward"] = sum(r.total for r in scores.rewards) / n
+    metrics["eval/reward_errors"] = scores.errors
+    metrics["eval/truncated_frac"] = sum(ep.cut is not None for ep in played) / n
+    metrics["eval/turns"] = sum(ep.replies for ep in played) / n
+    metrics["eval/tool_calls"] = sum(ep.tool_calls for ep in played) / n
+    if k > 1 and played and all(env.correct(ep) is not None for ep in played):
+        metrics |= sampled_metrics([Judgement(bool(env.correct(ep))) for ep in played], k, majority=False)
+    rows = [{"prompt": ep.example.messages[-1]["content"], "answer": ep.example.answer, "completion": ep.last_reply,
+             "transcript": ep.transcript, "turns": ep.replies, "reward": r.total}
+            for ep, r in zip(played, scores.rewards)]
     return metrics, rows

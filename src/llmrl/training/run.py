@@ -8,6 +8,7 @@ so `--resume` continues the run.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -38,9 +39,11 @@ from llmrl.models.packed_linear import (
     packing_pays_for,
 )
 from llmrl.rollout import RolloutEngine, Sampling, make_engine
+from llmrl.rollout.episodes import EpisodeRunner, episode_runner
 from llmrl.rollout.keyed import mix
+from llmrl.rollout.prompts import eos_ids
 from llmrl.run_files import CONFIG, DATA_REPORT, RUN_FILES
-from llmrl.tasks import Task, task_from_config
+from llmrl.tasks import Task, is_environment, task_from_config
 from llmrl.training import hooks
 from llmrl.training.cpu_speed import keep_heap_memory, use_hash_dropout
 from llmrl.training.distributed import Dist, init_distributed
@@ -81,6 +84,7 @@ class Run:
     resumed_from: Path | None
     totals: Totals = field(default_factory=Totals)
     health: Health = field(default_factory=Health)
+    episodes: EpisodeRunner | None = None  # multi-turn environments: how their episodes run
 
     @property
     def eval_n(self) -> int:
@@ -219,7 +223,12 @@ def setup_run(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -
     engine = make_engine(cfg, plan, tokenizer)
     return Run(cfg=cfg, plan=plan, dir=run_dir, dist=dist, model=model, tokenizer=tokenizer, task=task, engine=engine,
                optimizer=optimizer, shuffle=shuffle, logger=logger, start=start, resumed_from=checkpoint, totals=totals,
-               health=health)
+               health=health, episodes=environment_runner(cfg, task, model, tokenizer))
+
+
+def environment_runner(cfg: TrainConfig, task: Task, model, tokenizer) -> EpisodeRunner | None:
+    """The episode runner of a multi-turn environment (its chat-template check included), else None."""
+    return episode_runner(cfg, task, tokenizer, eos_ids(model, tokenizer)) if is_environment(task) else None
 
 
 def save(run: Run, step: int) -> Path | None:
@@ -253,7 +262,7 @@ def eval_max_new_tokens(cfg: TrainConfig, task: Task) -> int:
 
 
 def eval_policy(cfg: TrainConfig, model, tokenizer, task: Task, engine: RolloutEngine | None = None,
-                dist: Dist | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
+                dist: Dist | None = None, episodes: EpisodeRunner | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Eval of `model` on the task's first eval_n examples (`llmrl eval`, and the run's evals): greedy, or
     eval_samples_per_prompt sampled completions each."""
     engine = engine or make_engine(cfg, resolve(cfg), tokenizer)
@@ -261,14 +270,18 @@ def eval_policy(cfg: TrainConfig, model, tokenizer, task: Task, engine: RolloutE
     max_new = eval_max_new_tokens(cfg, task)
     sampling = Sampling(temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, top_k=0, repetition_penalty=1.0,
                         min_new_tokens=0, max_new_tokens=max_new, max_prompt_tokens=cfg.max_prompt_tokens)
+    if episodes is None and is_environment(task):
+        episodes = environment_runner(cfg, task, model, tokenizer)
+    if episodes is not None:  # eval replies get eval's token cap
+        episodes = dataclasses.replace(episodes, limits=dataclasses.replace(episodes.limits, reply_tokens=max_new))
     return evaluate(engine, task, task.eval_examples(eval_count(cfg, task)), max_new_tokens=max_new, dist=dist,
-                    samples_per_prompt=cfg.eval_samples_per_prompt, sampling=sampling, seed=cfg.seed)
+                    samples_per_prompt=cfg.eval_samples_per_prompt, sampling=sampling, seed=cfg.seed, episodes=episodes)
 
 
 def evaluate_and_log(run: Run, step: int) -> dict[str, float]:
     """Evaluate, log the metrics and completions, refresh the report."""
     t0 = time.perf_counter()
-    metrics, rows = eval_policy(run.cfg, run.model, run.tokenizer, run.task, run.engine, run.dist)
+    metrics, rows = eval_policy(run.cfg, run.model, run.tokenizer, run.task, run.engine, run.dist, run.episodes)
     metrics["time/eval_s"] = time.perf_counter() - t0
     run.logger.log(step, metrics)
     run.logger.log_samples(step, rows, eval=True)

@@ -13,6 +13,7 @@ lengths and texts are gathered so advantages and logs cover the global batch.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,9 +32,11 @@ from llmrl.config import TrainConfig
 from llmrl.errors import RunStopped
 from llmrl.rollout import Rollout, add_logprobs
 from llmrl.rollout.base import concat_rollouts, select_rows
+from llmrl.rollout.episodes import episode_counts
 from llmrl.rollout.prompts import prompt_length
 from llmrl.tasks import Example, Reward, Task
-from llmrl.tasks.score import score
+from llmrl.tasks.env import Episode
+from llmrl.tasks.score import score, score_episodes
 from llmrl.training import hooks
 from llmrl.training.run import Run
 from llmrl.training.update import UpdateBatch, UpdateSettings, UpdateStats, add_diff, policy_update, warmup_factor
@@ -54,6 +57,7 @@ class Sampled:
     rewards: list[Reward]  # [n]
     counts: dict[str, int] = field(default_factory=dict)  # reward_errors, prompts_skipped, sampling rounds...
     seconds: dict[str, float] = field(default_factory=dict)  # generate_s, logprobs_s: where the rollout's time went
+    episodes: list[Episode] | None = None  # [n] environments: the episodes the rows hold
 
 
 @dataclass
@@ -100,8 +104,13 @@ def sample_and_score(run: Run, step: int) -> Sampled:
         hooks.fire("before_rollout", step=step)
         t0 = time.perf_counter()
         run.engine.sync(run.model)
-        out = run.engine.generate([ex.messages for ex in examples], group_size=g,
-                                  seed=step_seed(cfg.seed, step) + 7_777 * rounds, first_prompt=first)
+        seed = step_seed(cfg.seed, step) + 7_777 * rounds
+        episodes = None
+        if run.episodes is not None:  # an environment: multi-turn episodes, token-in/token-out
+            out, episodes = run.episodes(run.engine, examples, group_size=g, seed=seed, first_prompt=first,
+                                         sampling=run.engine.sampling)
+        else:
+            out = run.engine.generate([ex.messages for ex in examples], group_size=g, seed=seed, first_prompt=first)
         t1 = time.perf_counter()
         run.engine.release()  # vLLM on CUDA sleeps now: the old/ref forwards get its memory (sync wakes it)
         if cfg.old_logprobs == "engine":  # vLLM's own sampled-token log-probs are the behaviour policy
@@ -112,23 +121,34 @@ def sample_and_score(run: Run, step: int) -> Sampled:
         seconds["generate_s"] += t1 - t0
         seconds["logprobs_s"] += time.perf_counter() - t1
         owners = [ex for ex in examples for _ in range(g)]  # prompt-major, like the completions
-        scores = score(run.task, owners, out.texts, strict=cfg.strict_rewards, where=f"step {step}")
+        if episodes is not None:
+            scores = score_episodes(run.task, episodes, strict=cfg.strict_rewards, where=f"step {step}")
+            counts = add_counts(counts, episode_counts(episodes))
+        else:
+            scores = score(run.task, owners, out.texts, strict=cfg.strict_rewards, where=f"step {step}")
         counts["reward_errors"] += scores.errors
         counts["prompts_skipped"] += skipped
         counts["prompts_truncated"] += out.prompts_truncated  # counted here: the rows below are picked per group
         rounds += 1
         if not cfg.dynamic_sampling:
-            return Sampled(owners, out, scores.rewards, counts, seconds)
+            return Sampled(owners, out, scores.rewards, counts, seconds, episodes)
         for i in range(len(examples)):
             rows = list(range(i * g, (i + 1) * g))
-            group = Sampled([owners[j] for j in rows], select_rows(out, rows), [scores.rewards[j] for j in rows])
+            group = Sampled([owners[j] for j in rows], select_rows(out, rows), [scores.rewards[j] for j in rows],
+                            episodes=None if episodes is None else [episodes[j] for j in rows])
             (kept if len({r.total for r in group.rewards}) > 1 else flat).append(group)
     filled = max(0, cfg.batch_size - len(kept))
     groups = kept[: cfg.batch_size] + flat[:filled]
     counts |= {"sampling_rounds": rounds, "groups_flat_dropped": len(flat) - filled, "groups_flat_kept": filled}
     return Sampled([ex for grp in groups for ex in grp.owners],
                    concat_rollouts([grp.rollout for grp in groups], run.tokenizer.pad_token_id),
-                   [r for grp in groups for r in grp.rewards], counts, seconds)
+                   [r for grp in groups for r in grp.rewards], counts, seconds,
+                   None if run.episodes is None else [ep for grp in groups for ep in grp.episodes])
+
+
+def add_counts(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    """Counts of two parts (rounds, ranks) together: sums, maxima for `max_` keys."""
+    return {k: (max if k.startswith("max_") else sum)((a.get(k, 0), b.get(k, 0))) for k in {**a, **b}}
 
 
 def reward_shaping(cfg: TrainConfig, out: Rollout) -> dict[str, torch.Tensor]:
@@ -187,7 +207,8 @@ class Gathered:
     lengths: torch.Tensor  # [N] completion tokens (EOS included)
     scored: torch.Tensor  # [N] tokens the loss sees (after overlong_filter)
     ended: torch.Tensor  # [N] bool
-    counts: dict[str, int]  # summed over ranks: reward_errors, prompts_skipped, prompts_truncated, sampling rounds...
+    counts: dict[str, int]  # over ranks (add_counts): reward_errors, prompts_skipped, prompts_truncated, sampling rounds...
+    transcripts: list[list[dict[str, str]] | None]  # [N] environments: each episode's messages after the prompt
     first_row: int  # this rank's first global row
 
 
@@ -195,12 +216,14 @@ def gather(run: Run, s: Sampled, rewards_t: torch.Tensor) -> Gathered:
     out = s.rollout
     parts = run.dist.gather({"owners": s.owners, "texts": out.texts, "rewards": s.rewards, "rewards_t": rewards_t,
                              "lengths": out.completion_lens.cpu(), "scored": out.completion_mask.sum(1).cpu(),
-                             "ended": out.ended.cpu(), "counts": s.counts})
+                             "ended": out.ended.cpu(), "counts": s.counts,
+                             "transcripts": [ep.transcript for ep in s.episodes] if s.episodes else [None] * len(s.owners)})
     return Gathered(
         owners=[o for p in parts for o in p["owners"]], texts=[t for p in parts for t in p["texts"]],
         rewards=[r for p in parts for r in p["rewards"]], rewards_t=torch.cat([p["rewards_t"] for p in parts]),
         lengths=torch.cat([p["lengths"] for p in parts]), scored=torch.cat([p["scored"] for p in parts]),
-        ended=torch.cat([p["ended"] for p in parts]), counts={k: sum(p["counts"][k] for p in parts) for k in s.counts},
+        ended=torch.cat([p["ended"] for p in parts]), counts=functools.reduce(add_counts, [p["counts"] for p in parts]),
+        transcripts=[t for p in parts for t in p["transcripts"]],
         first_row=sum(len(p["rewards"]) for p in parts[: run.dist.rank]),
     )
 
@@ -214,7 +237,7 @@ def step_record(run: Run, g: Gathered, adv: torch.Tensor, stats: UpdateStats, tr
     totals.optimizer_steps += stats.optimizer_steps
     totals.skipped_updates += stats.skipped_updates + stats.empty_minibatches
     totals.empty_minibatches += stats.empty_minibatches
-    counts = dict(g.counts)
+    counts = episode_means(dict(g.counts))
     totals.reward_errors += counts.pop("reward_errors")
     totals.prompts_skipped += counts.pop("prompts_skipped")
     totals.completions += len(g.rewards)
@@ -239,6 +262,18 @@ def step_record(run: Run, g: Gathered, adv: torch.Tensor, stats: UpdateStats, tr
         "time/train_s": totals.train_seconds,
     }
     return metrics
+
+
+def episode_means(counts: dict[str, int]) -> dict[str, float]:
+    """Environments: per-episode means of turns, tool calls, tool errors and environment tokens, and the
+    most turns any episode took (turns_max); the cut_* and env_* counts stay counts."""
+    if "episodes" not in counts:
+        return counts
+    n = max(counts.pop("episodes"), 1)
+    for key in ("turns", "tool_calls", "tool_errors", "env_tokens"):
+        counts[key] = counts[key] / n
+    counts["turns_max"] = counts.pop("max_turns_seen")
+    return counts
 
 
 def shaped_rewards(cfg: TrainConfig, s: Sampled) -> torch.Tensor:
@@ -304,6 +339,7 @@ def train_step(run: Run, step: int) -> StepResult:
     samples = []
     if cfg.sample_log_interval and step % cfg.sample_log_interval == 0:
         samples = [{"prompt": ex.messages[-1]["content"], "answer": ex.answer, "completion": text, "reward": r.total,
-                    "components": r.components, "advantage": a, "ended": bool(e)}
-                   for ex, text, r, a, e in zip(g.owners, g.texts, g.rewards, adv.tolist(), g.ended.tolist())]
+                    "components": r.components, "advantage": a, "ended": bool(e),
+                    **({"transcript": t} if t is not None else {})}
+                   for ex, text, r, a, e, t in zip(g.owners, g.texts, g.rewards, adv.tolist(), g.ended.tolist(), g.transcripts)]
     return StepResult(metrics, samples)

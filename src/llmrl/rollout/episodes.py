@@ -1,0 +1,237 @@
+"""Multi-turn rollouts, token-in/token-out: the one place that knows how an episode becomes a row.
+
+A row is the left-padded first prompt (width P, shared by the G rows of its group), then the
+trajectory: reply 1 (sampled, up to and including its EOS), the ids of the environment's answer,
+reply 2, ... , right-padded. Each turn generates from the exact ids so far; an environment message is
+appended as the ids of its chat-template delta (the text the template puts after the assistant's
+end-of-turn token, rendered with a placeholder reply), so earlier turns are never re-rendered or
+re-tokenised. completion_mask is 1 on sampled tokens only: 0 on the prompt, on environment tokens and
+on padding, so every log-prob, KL, loss aggregation and token count downstream sees the same tokens.
+
+    check_template(tokenizer, eos_text)      at start-up: the template must be prefix-preserving
+    run_episodes(engine, env, ...)           G episodes per example → (Rollout, episodes)
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass
+
+import torch
+
+from llmrl.errors import ConfigError
+from llmrl.rollout.base import Rollout, Sampling
+from llmrl.rollout.keyed import mix
+from llmrl.rollout.prompts import render
+from llmrl.tasks.base import Example
+from llmrl.tasks.env import Episode, Turn
+
+PLACEHOLDER = "LLMRL-REPLY-7f3a"  # a reply text no template rewrites
+TRUNCATED = " …[truncated]"
+
+
+@dataclass
+class Limits:
+    """What ends an episode besides the environment (config: max_turns, episode_tokens, max_env_tokens, env_timeout)."""
+
+    max_turns: int
+    episode_tokens: int  # sampled tokens per episode, all replies together
+    reply_tokens: int  # sampled tokens per reply (max_new_tokens)
+    env_tokens: int  # tokens of one environment message's content (longer ones are cut, with a marker)
+    env_timeout: float  # seconds one env.step may take
+
+
+class TemplateError(ConfigError):
+    pass
+
+
+def delta_text(tokenizer, history: list[dict[str, str]], new: list[dict[str, str]], end_text: str) -> str:
+    """The text the chat template puts after an assistant reply's end-of-turn token when `new`
+    messages follow it, up to the next reply's start (generation prompt included).
+
+    Rendered twice with a placeholder reply: history + reply, and history + reply + new + generation
+    prompt; the first must be a prefix of the second (else earlier turns would be re-rendered), and the
+    reply must be closed by `end_text` (the EOS the policy generates)."""
+    reply = {"role": "assistant", "content": PLACEHOLDER}
+    before = tokenizer.apply_chat_template([*history, reply], tokenize=False)
+    after = tokenizer.apply_chat_template([*history, reply, *new], tokenize=False, add_generation_prompt=True)
+    if not after.startswith(before):
+        raise TemplateError("the model's chat template is not prefix-preserving: rendering one more turn changes the "
+                            "earlier ones (e.g. it drops reasoning from past replies), so multi-turn token-in/token-out "
+                            "rollouts cannot append turns; use a model or template without that rewrite")
+    end = before.rindex(PLACEHOLDER) + len(PLACEHOLDER)
+    if not before.startswith(end_text, end):
+        raise TemplateError(f"the model's chat template does not close an assistant reply with its EOS token "
+                            f"{end_text!r} (it writes {before[end:end + 20]!r}): the policy's replies cannot be "
+                            "continued token for token")
+    return after[end + len(end_text):]
+
+
+def check_template(tokenizer, end_text: str) -> None:
+    """Start-up check for environments: the template renders k turns as a prefix of k + 1 (two deltas)."""
+    history = [{"role": "user", "content": "Start."}]
+    for k in range(2):
+        delta_text(tokenizer, history, [{"role": "user", "content": f"Turn {k}."}], end_text)
+        history = [*history, {"role": "assistant", "content": f"Reply {k}."}, {"role": "user", "content": f"Turn {k}."}]
+
+
+def capped(tokenizer, message: dict[str, str], max_tokens: int) -> tuple[dict[str, str], bool]:
+    """The message with its content cut to max_tokens tokens (and a marker), and whether it was cut."""
+    ids = tokenizer(message["content"], add_special_tokens=False)["input_ids"]
+    if len(ids) <= max_tokens:
+        return message, False
+    return {**message, "content": tokenizer.decode(ids[:max_tokens]) + TRUNCATED}, True
+
+
+def env_step(env, episode: Episode, reply: str, timeout: float) -> Turn:
+    """env.step with a time limit: a step that raises or overruns ends the episode (`episode.cut =
+    "env_error"`, reward 0). An overrunning step's thread is abandoned, not killed (Python cannot)."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    future = pool.submit(env.step, episode, reply)
+    try:
+        return future.result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+        episode.cut, episode.error = "env_error", f"timeout after {timeout:g} s"
+    except Exception as e:  # noqa: BLE001 - a user's environment may raise anything
+        episode.cut, episode.error = "env_error", f"{type(e).__name__}: {e}"[:300]
+    finally:
+        pool.shutdown(wait=False)
+    return Turn(None)
+
+
+def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size: int, seed: int, first_prompt: int,
+                 sampling: Sampling, limits: Limits, eos: list[int], greedy: bool = False) -> tuple[Rollout, list[Episode]]:
+    """group_size episodes per example (prompt-major), every turn of every live episode in one engine
+    call; sampling noise keyed by (seed, first_prompt + b, g, turn). Returns the rows as a Rollout
+    (logp_old None: the trainer scores them; engine_logp when the engine gave log-probs for every
+    reply) and the episodes."""
+    end_text = tokenizer.decode([eos[0]]) if eos else tokenizer.eos_token
+    episodes, contexts, prompts, tails = [], [], [], []
+    truncated = 0
+    for b, ex in enumerate(examples):
+        first = env.reset(ex)
+        ids = render(tokenizer, first)
+        truncated += len(ids) > sampling.max_prompt_tokens
+        ids = ids[-sampling.max_prompt_tokens:]
+        for _ in range(group_size):
+            ep = Episode(example=ex, messages=list(first), first=len(first))
+            env.start(ep)
+            episodes.append(ep)
+            prompts.append(ids)
+            contexts.append(list(ids))
+            tails.append([])  # (token ids, sampled?, engine log-probs or None) segments
+    keys = [mix(seed, first_prompt + b, g) for b in range(len(examples)) for g in range(group_size)]
+    spent = [0] * len(episodes)
+    for turn in range(limits.max_turns):
+        live = [i for i, ep in enumerate(episodes) if not ep.done and ep.cut is None]
+        if not live:
+            break
+        budgets = [min(limits.reply_tokens, limits.episode_tokens - spent[i]) for i in live]
+        turn_keys = [keys[i] if turn == 0 else mix(keys[i], turn) for i in live]
+        replies = engine.continue_ids([contexts[i] for i in live], turn_keys, sampling, max(budgets), greedy=greedy,
+                                      group_size=group_size if turn == 0 else 1)  # turn 0: a group shares its prompt
+        for i, budget, reply in zip(live, budgets, replies):
+            ep = episodes[i]
+            ids, ended, logp = reply.ids[:budget], reply.ended and len(reply.ids) <= budget, reply.logp
+            logp = None if logp is None else logp[: len(ids)]
+            tails[i].append((ids, True, logp))
+            contexts[i] += ids
+            spent[i] += len(ids)
+            text = tokenizer.decode(ids[: len(ids) - int(ended)], skip_special_tokens=True)
+            ep.messages.append({"role": "assistant", "content": text})
+            ep.replies += 1
+            if not ended:
+                ep.cut = "reply_tokens" if spent[i] < limits.episode_tokens else "episode_tokens"
+                continue
+            out = env_step(env, ep, text, limits.env_timeout)
+            for name, v in out.parts.items():
+                ep.parts[name] = ep.parts.get(name, 0.0) + v
+            ep.tool_calls += out.tool_calls
+            ep.tool_errors += out.tool_errors
+            if out.messages is None:
+                ep.done = ep.cut is None
+                continue
+            if spent[i] >= limits.episode_tokens:
+                ep.cut = "episode_tokens"
+                continue
+            if turn + 1 == limits.max_turns:
+                ep.cut = "max_turns"
+                continue
+            new = []
+            for m in out.messages:
+                m, cut = capped(tokenizer, m, limits.env_tokens)
+                new.append(m)
+                ep.env_truncated += cut
+            # the history before this reply: delta_text renders it with a placeholder reply
+            delta = tokenizer(delta_text(tokenizer, ep.messages[:-1], new, end_text), add_special_tokens=False)["input_ids"]
+            tails[i].append((delta, False, None))
+            contexts[i] += delta
+            ep.env_tokens += len(delta)
+            ep.messages += new
+    return to_rows(prompts, tails, episodes, tokenizer.pad_token_id, truncated), episodes
+
+
+def to_rows(prompts: list[list[int]], tails: list[list[tuple[list[int], bool, list[float] | None]]],
+            episodes: list[Episode], pad_id: int, truncated: int) -> Rollout:
+    """Episodes as one Rollout: prompts left-padded to P, trajectories right-padded to T; mask 1 on
+    sampled tokens (column P+j−1 scores tail token j), engine_logp where every reply has log-probs."""
+    n = len(prompts)
+    p = max(len(x) for x in prompts)
+    t = max(1, max(sum(len(ids) for ids, _, _ in tail) for tail in tails))
+    input_ids = torch.full((n, p + t), pad_id, dtype=torch.long)
+    attention = torch.ones(n, p + t, dtype=torch.long)
+    mask = torch.zeros(n, p + t - 1)
+    have_logp = all(lp is not None for tail in tails for _, sampled, lp in tail if sampled)
+    engine_logp = torch.zeros(n, p + t - 1) if have_logp else None
+    for i, (prompt, tail) in enumerate(zip(prompts, tails)):
+        input_ids[i, p - len(prompt): p] = torch.tensor(prompt, dtype=torch.long)
+        attention[i, : p - len(prompt)] = 0
+        col = p
+        for ids, sampled, logp in tail:
+            if ids:
+                input_ids[i, col: col + len(ids)] = torch.tensor(ids, dtype=torch.long)
+                if sampled:
+                    mask[i, col - 1: col - 1 + len(ids)] = 1.0
+                    if engine_logp is not None:
+                        engine_logp[i, col - 1: col - 1 + len(ids)] = torch.tensor(logp, dtype=torch.float32)
+            col += len(ids)
+    ended = torch.tensor([ep.cut is None for ep in episodes])
+    texts = [ep.last_reply for ep in episodes]
+    return Rollout(input_ids=input_ids, attention_mask=attention, completion_mask=mask, logp_old=None, logp_ref=None,
+                   ended=ended, prompt_len=p, texts=texts, prompts_truncated=truncated, engine_logp=engine_logp)
+
+
+@dataclass
+class EpisodeRunner:
+    """run_episodes with a run's tokenizer, limits and EOS ids bound (what step and eval call)."""
+
+    env: object
+    tokenizer: object
+    limits: Limits
+    eos: list[int]
+
+    def __call__(self, engine, examples: list[Example], *, group_size: int, seed: int, first_prompt: int,
+                 sampling: Sampling, greedy: bool = False) -> tuple[Rollout, list[Episode]]:
+        return run_episodes(engine, self.env, self.tokenizer, examples, group_size=group_size, seed=seed,
+                            first_prompt=first_prompt, sampling=sampling, limits=self.limits, eos=self.eos, greedy=greedy)
+
+
+def episode_runner(cfg, env, tokenizer, eos: list[int]) -> EpisodeRunner:
+    """The runner of a config's environment; checks the chat template first (one ConfigError line)."""
+    turns = cfg.max_turns or env.max_turns
+    limits = Limits(max_turns=turns, episode_tokens=cfg.episode_tokens or turns * cfg.max_new_tokens,
+                    reply_tokens=cfg.max_new_tokens, env_tokens=cfg.max_env_tokens, env_timeout=cfg.env_timeout)
+    check_template(tokenizer, tokenizer.decode([eos[0]]) if eos else tokenizer.eos_token)
+    return EpisodeRunner(env, tokenizer, limits, eos)
+
+
+def episode_counts(episodes: list[Episode]) -> dict[str, int]:
+    """Sums (and `max_` maxima) over episodes, for the step's rollout/ metrics (means are taken after
+    summing over ranks and rounds: see training/step.py)."""
+    cuts = {f"cut_{why}": sum(ep.cut == why for ep in episodes)
+            for why in ("max_turns", "episode_tokens", "reply_tokens")}
+    return {"episodes": len(episodes), "turns": sum(ep.replies for ep in episodes),
+            "max_turns_seen": max((ep.replies for ep in episodes), default=0),
+            "tool_calls": sum(ep.tool_calls for ep in episodes), "tool_errors": sum(ep.tool_errors for ep in episodes),
+            "env_tokens": sum(ep.env_tokens for ep in episodes), "env_truncated": sum(ep.env_truncated for ep in episodes),
+            "env_errors": sum(ep.cut == "env_error" for ep in episodes), **cuts}

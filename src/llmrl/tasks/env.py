@@ -1,0 +1,141 @@
+"""Multi-turn environments: a task whose episodes take several replies, with tools.
+
+    env.reset(example)            -> the first messages (default: example.messages)
+    env.step(episode, reply_text) -> Turn(messages to append, or None: the episode is over; reward parts)
+    env.reward(episode)           -> Reward of the whole episode (its parts plus the final score)
+
+An `Episode` is llmrl's record of one trajectory (the transcript with roles, the turns' reward parts,
+tool calls, why it ended); the environment reads it and keeps its own state in `episode.state`
+(whatever `reset` put there). Tools are plain Python functions the environment exposes in `tools`; a
+call is `<name>argument</name>` in a reply (`find_tool_call`), its result goes back as a message.
+The token ids of the trajectory are the rollout's business (rollout/episodes.py), never the
+environment's: it sees texts only.
+
+How it maps onto other tools' environments: TRL's `environment_factory` builds one environment per
+rollout whose `step`/tool methods answer each reply, as `step` does here; verifiers'
+`MultiTurnEnv.env_response(messages, state) -> (messages, state)` is `step` returning `Turn(messages)`,
+and its `is_completed` is `Turn(None)`; its rubric is `reward`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmrl.tasks.base import Example, Reward
+
+
+@dataclass
+class Turn:
+    """An environment's answer to one reply."""
+
+    messages: list[dict[str, str]] | None  # appended to the conversation; None: the episode is over
+    parts: dict[str, float] = field(default_factory=dict)  # reward parts earned by this reply (summed per name)
+    tool_calls: int = 0  # tool calls this reply made
+    tool_errors: int = 0  # of those, how many failed (bad argument, the tool raised)
+
+
+@dataclass
+class Episode:
+    """One trajectory: what the environment and the logs see (texts), never token ids."""
+
+    example: Example
+    messages: list[dict[str, str]]  # the whole transcript: first messages, then assistant / environment turns
+    state: Any = None  # the environment's own, from reset
+    replies: int = 0  # policy turns so far
+    parts: dict[str, float] = field(default_factory=dict)  # reward parts summed over turns
+    tool_calls: int = 0
+    tool_errors: int = 0
+    env_tokens: int = 0  # environment-message tokens appended (after the cap)
+    env_truncated: int = 0  # environment messages cut at max_env_tokens
+    done: bool = False  # the environment ended it (Turn(None))
+    cut: str | None = None  # or a limit did: "max_turns", "episode_tokens", "reply_tokens", "env_error"
+    error: str | None = None  # what the environment raised (or "timeout"), with cut == "env_error"
+
+    first: int = 0  # how many of `messages` came from reset (the prompt)
+
+    @property
+    def transcript(self) -> list[dict[str, str]]:
+        """The messages after the first ones (what the policy and the environment said)."""
+        return self.messages[self.first :]
+
+    @property
+    def last_reply(self) -> str:
+        return next((m["content"] for m in reversed(self.messages) if m["role"] == "assistant"), "")
+
+
+class Environment:
+    """Base class of multi-turn tasks (subclass it, or give the same methods and `is_environment = True`).
+
+    A subclass sets `name`, `eval_n_default`, `max_turns` (the default cap on replies) and implements
+    `sample_train_batch`, `eval_examples`, `step`, `reward`; `reset` and `evaluate` have defaults.
+    """
+
+    is_environment = True
+    name = "environment"
+    eval_n_default = 32
+    max_turns = 4
+    tools: dict[str, Callable[[str], Any]] = {}
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed  # llmrl builds every task as Cls(seed=run seed)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the environment (e.g. its prompt RNG: tasks.base.SeededSampling)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def reset(self, example: Example) -> list[dict[str, str]]:
+        """The first messages of an episode (the default: the example's); may set episode state via
+        `start`, which llmrl calls with the Episode right after."""
+        return list(example.messages)
+
+    def start(self, episode: Episode) -> None:
+        """Set up `episode.state` (called once per episode, after reset)."""
+
+    def step(self, episode: Episode, reply: str) -> Turn:
+        raise NotImplementedError
+
+    def reward(self, episode: Episode) -> Reward:
+        raise NotImplementedError
+
+    def correct(self, episode: Episode) -> bool | None:
+        """Did the episode succeed (pass@k in sampled eval)? None: the environment does not say."""
+        return None
+
+    def evaluate(self, episodes: list[Episode]) -> dict[str, float]:
+        """Eval metrics (eval/ is added): by default the mean of each reward part, turns and tool use."""
+        n = max(len(episodes), 1)
+        out: dict[str, float] = {}
+        for name in dict.fromkeys(k for ep in episodes for k in ep.parts):
+            out[name] = sum(ep.parts.get(name, 0.0) for ep in episodes) / n
+        out["turns"] = sum(ep.replies for ep in episodes) / n
+        out["tool_calls"] = sum(ep.tool_calls for ep in episodes) / n
+        return out
+
+
+def is_environment(task: Any) -> bool:
+    return bool(getattr(task, "is_environment", False))
+
+
+TOOL_CALL = re.compile(r"<(?P<name>[A-Za-z_][A-Za-z0-9_]*)>(?P<arg>.*?)</(?P=name)>", re.DOTALL)
+
+
+def find_tool_call(reply: str, tools: dict[str, Callable[[str], Any]]) -> tuple[str, str] | None:
+    """The first `<name>argument</name>` in a reply whose name is one of `tools`: (name, argument)."""
+    for m in TOOL_CALL.finditer(reply):
+        if m.group("name") in tools:
+            return m.group("name"), m.group("arg").strip()
+    return None
+
+
+def call_tool(tools: dict[str, Callable[[str], Any]], name: str, argument: str) -> tuple[str, bool]:
+    """(result text, ok): the tool's return value as text, or the error it raised (ok False)."""
+    try:
+        return str(tools[name](argument)), True
+    except Exception as e:  # noqa: BLE001 - a tool may fail on any argument the policy writes
+        return f"error: {type(e).__name__}: {e}"[:200], False
