@@ -35,15 +35,20 @@ def score(task: Task, examples: list[Example], texts: list[str], *, strict: bool
             pass
     rewards, errors = [], 0
     for ex, text in zip(examples, texts, strict=True):
-        try:
-            rewards.append(_checked(task.reward(ex, text)))
-        except Exception as e:  # noqa: BLE001 - a user's reward function may raise anything
-            if strict:
-                raise RunStopped(f"{where}: the reward function raised {type(e).__name__}: {e} (--strict_rewards); "
-                                 "the last checkpoint is intact") from None
-            errors += 1
-            rewards.append(Reward(total=0.0, components={}))
+        reward = _guarded(lambda: task.reward(ex, text), strict, f"{where}: the reward function")  # noqa: B023
+        errors += reward is None
+        rewards.append(reward or Reward(total=0.0, components={}))
     return Scores(rewards, errors)
+
+
+def _guarded(compute, strict: bool, what: str) -> Reward | None:
+    """compute() checked finite, or None when it raised (with `strict`: RunStopped naming `what`)."""
+    try:
+        return _checked(compute())
+    except Exception as e:  # noqa: BLE001 - a user's reward function or environment may raise anything
+        if strict:
+            raise RunStopped(f"{what} raised {type(e).__name__}: {e} (--strict_rewards); the last checkpoint is intact") from None
+        return None
 
 
 def score_episodes(env, episodes: list, *, strict: bool, where: str) -> Scores:
@@ -57,12 +62,7 @@ def score_episodes(env, episodes: list, *, strict: bool, where: str) -> Scores:
                 raise RunStopped(f"{where}: the environment failed: {ep.error} (--strict_rewards); the last checkpoint is intact")
             rewards.append(Reward(total=0.0, components={}))
             continue
-        try:
-            rewards.append(_checked(env.reward(ep)))
-        except Exception as e:  # noqa: BLE001 - a user's environment may raise anything
-            if strict:
-                raise RunStopped(f"{where}: the environment's reward raised {type(e).__name__}: {e} (--strict_rewards); "
-                                 "the last checkpoint is intact") from None
-            errors += 1
-            rewards.append(Reward(total=0.0, components={}))
+        reward = _guarded(lambda: env.reward(ep), strict, f"{where}: the environment's reward")  # noqa: B023
+        errors += reward is None
+        rewards.append(reward or Reward(total=0.0, components={}))
     return Scores(rewards, errors)

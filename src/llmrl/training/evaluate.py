@@ -94,16 +94,7 @@ def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], *, max_
     texts, truncated = [t for part, _ in gathered for t in part], sum(n for _, n in gathered)
     owners = [ex for ex in examples for _ in range(k)]  # prompt-major, like the completions
     scores = score(task, owners, texts, strict=False, where="eval")
-    try:
-        metrics = {f"eval/{name}": v for name, v in task.evaluate(owners, texts).items()}
-    except Exception as e:  # noqa: BLE001 - a user's evaluate may raise anything; the run goes on
-        print(f"llmrl: eval: the task's evaluate raised {type(e).__name__}: {e}; only eval/reward is logged",
-              file=sys.stderr)
-        metrics = {}
-    n = max(len(owners), 1)
-    metrics["eval/reward"] = sum(r.total for r in scores.rewards) / n
-    metrics["eval/reward_errors"] = scores.errors
-    metrics["eval/truncated_frac"] = truncated / n
+    metrics = common_metrics(lambda: task.evaluate(owners, texts), "task", scores, truncated)
     if k > 1 and (judged := judge(task, owners, texts, scores.rewards)) is not None:
         metrics |= sampled_metrics(judged, k, majority=hasattr(task, "judge"))  # a "correct" component has no answers
     rows = [
@@ -111,6 +102,20 @@ def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], *, max_
         for ex, t, r in zip(owners, texts, scores.rewards)
     ]
     return metrics, rows
+
+
+def common_metrics(task_metrics, what: str, scores, truncated: int) -> dict[str, float]:
+    """The task's own metrics (eval/ added; none when its evaluate raises: the run goes on), eval/reward,
+    eval/reward_errors and eval/truncated_frac (`truncated` of the scored completions or episodes)."""
+    try:
+        metrics = {f"eval/{name}": v for name, v in task_metrics().items()}
+    except Exception as e:  # noqa: BLE001 - a user's evaluate may raise anything; the run goes on
+        print(f"llmrl: eval: the {what}'s evaluate raised {type(e).__name__}: {e}; only eval/reward is logged",
+              file=sys.stderr)
+        metrics = {}
+    n = max(len(scores.rewards), 1)
+    return metrics | {"eval/reward": sum(r.total for r in scores.rewards) / n, "eval/reward_errors": scores.errors,
+                      "eval/truncated_frac": truncated / n}
 
 
 def evaluate_episodes(engine, env, examples: list[Example], mine: list[Example], first: int, dist: Dist, k: int,
@@ -123,16 +128,8 @@ def evaluate_episodes(engine, env, examples: list[Example], mine: list[Example],
                              sampling=sampling, greedy=k == 1)
     played = [ep for part in dist.gather(played) for ep in part]
     scores = score_episodes(env, played, strict=False, where="eval")
-    try:
-        metrics = {f"eval/{name}": v for name, v in env.evaluate(played).items()}
-    except Exception as e:  # noqa: BLE001 - a user's evaluate may raise anything; the run goes on
-        print(f"llmrl: eval: the environment's evaluate raised {type(e).__name__}: {e}; only eval/reward is logged",
-              file=sys.stderr)
-        metrics = {}
+    metrics = common_metrics(lambda: env.evaluate(played), "environment", scores, sum(ep.cut is not None for ep in played))
     n = max(len(played), 1)
-    metrics["eval/reward"] = sum(r.total for r in scores.rewards) / n
-    metrics["eval/reward_errors"] = scores.errors
-    metrics["eval/truncated_frac"] = sum(ep.cut is not None for ep in played) / n
     metrics["eval/turns"] = sum(ep.replies for ep in played) / n
     metrics["eval/tool_calls"] = sum(ep.tool_calls for ep in played) / n
     if k > 1 and played and all(env.correct(ep) is not None for ep in played):
