@@ -103,7 +103,7 @@ def test_scripted_episodes_are_the_templates_tokens_with_a_mask_on_sampled_token
         assert r.completion_mask[i, : r.prompt_len - 1].sum() == 0
     # the loss's gradient reaches the logits of sampled tokens only
     r = add_logprobs(model, r, chunk=6, group_size=3, shared_prefix=True, with_ref=False)
-    torch.testing.assert_close(r.logp_old * r.completion_mask, r.engine_logp, rtol=0, atol=1e-4)  # fp32 decode vs full forward
+    torch.testing.assert_close(r.logp_old * r.completion_mask, r.engine_logp, rtol=0, atol=1e-5)  # fp32 decode vs full forward
     captured = {}
 
     def keep(module, args, output):
