@@ -9,6 +9,8 @@ FAULT@N fires on the N-th occurrence in this process:
   kill_in_log      SIGKILL after writing half of the N-th metrics line
   enospc_in_save   the N-th checkpoint save fails with "No space left on device"
   slow_rollout     every rollout first sleeps one second (N unused)
+  replies_end      every hf reply ends with EOS at its N-th token (the random tiny model never picks EOS:
+                   multi-turn episodes then reach their environment)
 FAULT@N%R fires only in the process whose RANK is R (under torchrun).
 """
 
@@ -67,6 +69,14 @@ def inject(fault: str, n: int) -> None:
         llmrl.logger.RunLogger._append = _append
     elif fault == "slow_rollout":
         hooks.on("before_rollout", lambda **info: time.sleep(1.0))
+    elif fault == "replies_end":
+        from helpers import stop_after
+        from transformers import AutoTokenizer
+
+        from llmrl.rollout import hf as hf_engine
+
+        model = sys.argv[sys.argv.index("--model") + 1]
+        hf_engine.KeyedSampler = stop_after(n, AutoTokenizer.from_pretrained(model).eos_token_id)
     elif fault != "none":
         raise SystemExit(f"unknown fault {fault}")
 

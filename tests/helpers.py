@@ -88,3 +88,19 @@ def kept_logits(logits: torch.Tensor, logits_to_keep) -> torch.Tensor:
     if torch.is_tensor(logits_to_keep):
         return logits[:, logits_to_keep]
     return logits[:, -logits_to_keep:] if logits_to_keep else logits
+
+
+def stop_after(n: int, eos: int):
+    """A KeyedSampler that ends every reply with EOS at its n-th token (the random tiny model never
+    chooses EOS); the other tokens are the keyed draw. Log-probs are of the raw logits either way."""
+    from llmrl.rollout.keyed import KeyedSampler
+
+    class Stopping(KeyedSampler):
+        def __call__(self, input_ids, scores):
+            out = super().__call__(input_ids, scores)
+            if input_ids.shape[1] - self.prompt_width == n - 1:
+                out = torch.full_like(scores, float("-inf"))
+                out[:, eos] = 0.0
+            return out
+
+    return Stopping

@@ -17,6 +17,7 @@ from llmrl.tasks.calculator import CalculatorEnv, arithmetic
 from llmrl.tasks.env import Environment, Episode, Turn
 from llmrl.tasks.guess import GuessEnv
 from llmrl.tasks.score import score_episodes
+from helpers import stop_after
 
 SAMPLING = Sampling(temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0, min_new_tokens=0, max_new_tokens=5,
                     max_prompt_tokens=200)
@@ -35,22 +36,6 @@ class ScriptEnv(Environment):
 
     def reward(self, episode: Episode) -> Reward:
         return Reward(total=float(episode.replies), components={"replies": float(episode.replies)})
-
-
-def stop_after(n: int, eos: int):
-    """A KeyedSampler that ends every reply with EOS at its n-th token (the random tiny model never
-    chooses EOS); the other tokens are the keyed draw. Log-probs are of the raw logits either way."""
-    from llmrl.rollout.keyed import KeyedSampler
-
-    class Stopping(KeyedSampler):
-        def __call__(self, input_ids, scores):
-            out = super().__call__(input_ids, scores)
-            if input_ids.shape[1] - self.prompt_width == n - 1:
-                out = torch.full_like(scores, float("-inf"))
-                out[:, eos] = 0.0
-            return out
-
-    return Stopping
 
 
 @pytest.fixture
@@ -102,8 +87,14 @@ def test_scripted_episodes_are_the_templates_tokens_with_a_mask_on_sampled_token
         assert ScriptEnv.ANSWERS[0] in env_part and ScriptEnv.ANSWERS[1] in env_part and ep.env_tokens > 10
         assert r.completion_mask[i, : r.prompt_len - 1].sum() == 0
     # the loss's gradient reaches the logits of sampled tokens only
-    r = add_logprobs(model, r, chunk=6, group_size=3, shared_prefix=True, with_ref=False)
-    torch.testing.assert_close(r.logp_old * r.completion_mask, r.engine_logp, rtol=0, atol=1e-5)  # fp32 decode vs full forward
+    sampler, sampler_entropy = r.logp_old, r.entropy  # the hf engine's own, from its sampling logits (no second forward)
+    assert r.engine_logp is None and sampler is not None and sampler_entropy is not None
+    assert (sampler != 0).sum() == 6 * 12 and (sampler * (1 - r.completion_mask)).abs().sum() == 0
+    r.logp_old = r.entropy = None
+    r = add_logprobs(model, r, chunk=6, group_size=3, shared_prefix=True, with_ref=False)  # the trainer's full forward
+    torch.testing.assert_close(r.logp_old, sampler, rtol=0, atol=1e-5)  # fp32 decode vs full forward
+    # an entropy is a sum over the 49,152-token vocabulary: two fp32 summation orders differ by ~√V·u relative
+    torch.testing.assert_close(r.entropy, sampler_entropy, rtol=2 * 49152 ** 0.5 * 2.0 ** -24, atol=1e-6)
     captured = {}
 
     def keep(module, args, output):
@@ -190,6 +181,52 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_at_start(tiny_model_d
         check_template(tok, tok.eos_token)
 
 
+class ScriptedReplies:
+    """An engine whose replies are fixed token ids (a stand-in for sampling): it records every context."""
+
+    def __init__(self, replies: list[list[int]]):
+        self.replies, self.contexts = replies, []
+
+    def continue_ids(self, contexts, keys, sampling, max_new_tokens, greedy=False, group_size=1):
+        from llmrl.rollout.base import Reply
+
+        self.contexts.append([list(c) for c in contexts])
+        ids = self.replies[len(self.contexts) - 1]
+        return [Reply(list(ids), ended=True) for _ in contexts]
+
+
+def test_ids_are_never_retokenized_even_where_a_re_render_would_change_them(tiny_model_dir):
+    """Replies sampled as non-canonical token splits with spaces the template trims: the row is exactly
+    prompt + reply 1 + delta 1 + reply 2 + delta 2 + reply 3 (each engine call saw that prefix), while
+    rendering the transcript again and tokenizing it (what text-in rollouts do) gives other ids."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = (  # trims every message, as many templates do: a reply's own spaces are lost on re-render
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+
+    def spelled(text):  # one token per character: a split BPE would never produce from the text
+        return [tid for ch in text for tid in tok(ch, add_special_tokens=False)["input_ids"]] + [eos]
+
+    replies = [spelled(" 964 * 59 "), spelled(" hello world "), spelled(" <answer>56876</answer>")]
+    engine = ScriptedReplies(replies)
+    ex = Example([{"role": "user", "content": "Multiply 964 * 59"}], None)
+    limits = Limits(max_turns=3, episode_tokens=200, reply_tokens=40, env_tokens=50, env_timeout=30)
+    r, (ep,) = run_episodes(engine, ScriptEnv(), tok, [ex], group_size=1, seed=0, first_prompt=0, sampling=SAMPLING,
+                            limits=limits, eos=[eos])
+    prompt = tok(tok.apply_chat_template(ex.messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"]
+    deltas = [tok("\n<|im_start|>user\n" + a + "<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+              for a in ScriptEnv.ANSWERS]
+    expected = prompt + replies[0] + deltas[0] + replies[1] + deltas[1] + replies[2]
+    assert r.input_ids[0].tolist() == expected
+    assert [c[0] for c in engine.contexts] == [prompt, prompt + replies[0] + deltas[0],
+                                               prompt + replies[0] + deltas[0] + replies[1] + deltas[1]]
+    mask = r.completion_mask[0, r.prompt_len - 1:].tolist()
+    assert [t for t, m in zip(r.input_ids[0, r.prompt_len:].tolist(), mask) if m == 1] == sum(replies, [])
+    naive = tok(tok.apply_chat_template(ep.messages, tokenize=False), add_special_tokens=False)["input_ids"]
+    assert naive != expected and len(naive) < len(expected)  # re-rendering would have trained on other tokens
+
+
 def test_calculator_protocol_and_reward():
     env = CalculatorEnv(seed=0)
     ex = CalculatorEnv.example(964, 59)
@@ -203,8 +240,14 @@ def test_calculator_protocol_and_reward():
     assert bad.tool_errors == 1 and bad.messages[0]["content"].startswith("<result>error: SyntaxError")
     assert env.step(ep, "So: <answer>56876</answer>").messages is None
     r = env.reward(ep)
-    assert r.components == {"correct": 1.0, "tool": 0.2, "format": 0.1} and r.total == pytest.approx(1.3)
+    assert r.components == {"correct": 1.0, "tool": 0.1} and r.total == pytest.approx(1.1)
     assert env.correct(ep)
+    guess = Episode(ex, list(ex.messages), first=len(ex.messages))
+    assert env.step(guess, "<answer>56870</answer>").messages is None  # an answer from its head: no credit at all
+    assert env.reward(guess).total == 0.0 and not env.correct(guess)
+    other = Episode(ex, list(ex.messages), first=len(ex.messages))
+    other.parts = dict(env.step(other, "<calc>74*10</calc>").parts)  # a valid call on other numbers earns nothing
+    assert other.parts == {"right_call": 0.0} and env.reward(other).total == 0.0
     assert arithmetic("(17 + 4) * 3 - 10 / 4") == 60.5 and arithmetic("7//2") == 3
 
 
@@ -240,8 +283,11 @@ def test_register_env_and_custom_environment_files(tmp_path):
 
 def test_environment_runs_from_the_cli_logs_turns_and_resumes_exactly(tmp_path, tiny_model_dir):
     """`--task guess` end to end on the tiny model: the environment metrics and transcripts are logged,
-    eval plays episodes, and a run killed after step 2 and resumed ends as the uninterrupted one."""
-    from helpers import assert_same_run, cli, read_jsonl, tiny_args, train_records
+    eval plays episodes, and a run SIGKILLed in its third rollout (checkpoint at step 2) and resumed
+    ends as the uninterrupted one (adapter within 1e-6, every metric record equal)."""
+    import signal
+
+    from helpers import assert_same_run, cli, read_jsonl, run_cli, tiny_args, train_records
 
     full, part = tmp_path / "full", tmp_path / "part"
     cli(*tiny_args(tiny_model_dir, full, "grpo", steps=3, task="guess", max_prompt_tokens=256, max_turns=2))
@@ -254,6 +300,81 @@ def test_environment_runs_from_the_cli_logs_turns_and_resumes_exactly(tmp_path, 
     assert samples[0]["transcript"][0]["role"] == "assistant"
     evals = [r for r in read_jsonl(full / "metrics.jsonl") if "eval/turns" in r]
     assert evals and "eval/solved" in evals[-1]
-    cli(*tiny_args(tiny_model_dir, part, "grpo", steps=2, task="guess", max_prompt_tokens=256, max_turns=2))
-    cli("train", "--resume", str(part), "--steps", "3")
+    p = run_cli(*tiny_args(tiny_model_dir, part, "grpo", steps=3, task="guess", max_prompt_tokens=256, max_turns=2,
+                           save_interval=2), fault="kill_in_rollout@3")
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    cli("train", "--resume", str(part))
     assert_same_run(full, part, 3)
+
+
+HOSTILE_ENV = '''
+import time
+from llmrl import Environment
+from llmrl.tasks.base import Example, Reward
+
+
+class Hostile(Environment):
+    """Example k: 0 raises in step, 1 hangs past env_timeout, 2 answers with a 100 kB message, 3 behaves."""
+
+    max_turns = 2
+
+    def __init__(self, seed=0):
+        self.seed, self.k = seed, 0
+
+    def sample_train_batch(self, n):
+        out = [Example([{"role": "user", "content": f"Game {(self.k + i) % 4}."}], (self.k + i) % 4) for i in range(n)]
+        self.k += n
+        return out
+
+    def eval_examples(self, n):
+        return [Example([{"role": "user", "content": f"Game {i % 4}."}], i % 4) for i in range(n)]
+
+    def state_dict(self):
+        return {"k": self.k}
+
+    def load_state_dict(self, state):
+        self.k = state["k"]
+
+    def step(self, episode, reply):
+        kind = episode.example.answer
+        if episode.replies > 1:
+            return self.done()
+        if kind == 0:
+            raise RuntimeError("the environment broke")
+        if kind == 1:
+            time.sleep(30)
+        return self.message("x " * 50_000 if kind == 2 else "fine")
+
+    def done(self):
+        from llmrl.tasks.env import Turn
+        return Turn(None)
+
+    def message(self, text):
+        from llmrl.tasks.env import Turn
+        return Turn([{"role": "user", "content": text}])
+
+    def reward(self, episode):
+        return Reward(total=1.0, components={"played": 1.0})
+'''
+
+
+def test_an_environment_that_raises_hangs_or_floods_from_the_cli_finishes_and_counts_it(tmp_path, tiny_model_dir):
+    """The CLI with `--task hostile.py:Hostile`: per step one episode group whose environment raises, one
+    that hangs past --env_timeout, one that answers with 100 kB (cut to max_env_tokens), one that
+    behaves; the run exits 0 without a traceback and the metrics count each."""
+    from helpers import read_jsonl, run_cli, tiny_args, train_records
+
+    (tmp_path / "hostile.py").write_text(HOSTILE_ENV)
+    out = tmp_path / "run"
+    p = run_cli(*tiny_args(tiny_model_dir, out, "grpo", steps=2, task=f"{tmp_path / 'hostile.py'}:Hostile",
+                           batch_size=4, group_size=2, minibatch_size=4, max_prompt_tokens=256, env_timeout=1,
+                           max_env_tokens=64, eval_interval=0), fault="replies_end@3")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+    for r in train_records(out):
+        assert r["rollout/env_errors"] == 4  # the raising and the hanging group: 2 episodes each (counts)
+        assert r["rollout/env_truncated"] == 2  # the 100 kB message, cut once in each episode of its group
+        assert 0 < r["rollout/env_tokens"] <= (64 + 30) * 2 / 8  # two groups answered once each (per-episode mean), capped
+        assert r["rollout/turns_max"] == 2 and r["reward/mean"] == 0.5  # errors score 0, the others 1
+    samples = read_jsonl(out / "samples.jsonl")
+    assert all(len(m["content"]) < 1000 for s in samples for m in s["transcript"])

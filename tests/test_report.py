@@ -292,3 +292,18 @@ def test_sections_constant_series_and_smoothing_scaled_to_the_run(tmp_path):
     short = make_run(tmp_path, "short", [train_record(s) for s in range(1, 6)])
     assert auto_smooth([load_run(short)]) == 0.0
     assert auto_smooth([load_run(make_run(tmp_path, "long", [train_record(s) for s in range(1, 501)]))]) == 0.9
+
+
+def test_environment_samples_show_every_turn_with_who_wrote_it(tmp_path):
+    """A multi-turn sample: turns and environment messages counted, each message labelled policy or
+    environment, in transcript order; the rollout/turns and tool curves are plotted."""
+    transcript = [{"role": "assistant", "content": "<calc>964*59</calc>"}, {"role": "user", "content": "<result>56876</result>"},
+                  {"role": "assistant", "content": "<answer>56876</answer>"}]
+    row = {**sample(1, "<answer>56876</answer>"), "transcript": transcript}
+    run = make_run(tmp_path, "calc", [train_record(1, **{"rollout/turns": 2.0, "rollout/tool_calls": 1.0})], samples=[row])
+    page = build_report([run], tmp_path / "out").read_text(encoding="utf-8")
+    assert "turns=2 · environment messages=1" in page
+    labels = re.findall(r"<div class=label>(policy|environment) \((\w+)\)</div>", page)
+    assert labels == [("policy", "assistant"), ("environment", "user"), ("policy", "assistant")]
+    assert page.index("&lt;calc&gt;964*59") < page.index("&lt;result&gt;56876") < page.index("&lt;answer&gt;56876")
+    assert (tmp_path / "out" / "plots" / "rollout_turns.png").exists() and (tmp_path / "out" / "plots" / "rollout_tool_calls.png").exists()

@@ -499,9 +499,17 @@ def sample_block(row: dict[str, Any]) -> str:
         facts.append(esc(", ".join(f"{k}={show(v)}" for k, v in row["components"].items())))
     if "ended" in row:
         facts.append(f"ended={'yes' if row['ended'] else 'no'}")
+    transcript = row.get("transcript")
+    if isinstance(transcript, list):  # an environment's episode: every turn, labelled by who wrote it
+        turns = [m for m in transcript if isinstance(m, dict)]
+        replies = sum(m.get("role") == "assistant" for m in turns)
+        facts.append(f"turns={replies} · environment messages={len(turns) - replies}")
+        body = "".join(f"<div class=label>{'policy' if m.get('role') == 'assistant' else 'environment'} "
+                       f"({esc(m.get('role'))})</div>{folded(str(m.get('content', '')))}" for m in turns)
+    else:
+        body = f"<div class=label>completion</div>{folded(str(row.get('completion', '')))}"
     return (f"<div class=sample><div class=facts>{' · '.join(facts)}</div>"
-            f"<div class=label>prompt</div>{folded(str(row.get('prompt', '')))}"
-            f"<div class=label>completion</div>{folded(str(row.get('completion', '')))}</div>")
+            f"<div class=label>prompt</div>{folded(str(row.get('prompt', '')))}{body}</div>")
 
 
 def samples_section(run: RunData, steps: list[int] | None, max_samples: int) -> str:

@@ -98,11 +98,13 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
 @dataclass
 class Reply:
     """One reply generated from exact token ids (multi-turn): its token ids (EOS included when it ended),
-    whether it ended with EOS, and the engine's log-prob of each token (None when not computed)."""
+    whether it ended with EOS, and the engine's log-prob and entropy (T = 1) of each token (None when
+    not computed)."""
 
     ids: list[int]
     ended: bool
     logp: list[float] | None = None
+    entropy: list[float] | None = None
 
 
 class RolloutEngine(Protocol):

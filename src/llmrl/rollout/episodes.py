@@ -119,7 +119,7 @@ def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size:
             episodes.append(ep)
             prompts.append(ids)
             contexts.append(list(ids))
-            tails.append([])  # (token ids, sampled?, engine log-probs or None) segments
+            tails.append([])  # (token ids, sampled?, engine log-probs, engine entropies (or None)) segments
     keys = [mix(seed, first_prompt + b, g) for b in range(len(examples)) for g in range(group_size)]
     spent = [0] * len(episodes)
     for turn in range(limits.max_turns):
@@ -132,9 +132,8 @@ def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size:
                                       group_size=group_size if turn == 0 else 1)  # turn 0: a group shares its prompt
         for i, budget, reply in zip(live, budgets, replies):
             ep = episodes[i]
-            ids, ended, logp = reply.ids[:budget], reply.ended and len(reply.ids) <= budget, reply.logp
-            logp = None if logp is None else logp[: len(ids)]
-            tails[i].append((ids, True, logp))
+            ids, ended = reply.ids[:budget], reply.ended and len(reply.ids) <= budget
+            tails[i].append((ids, True, *(None if x is None else x[: len(ids)] for x in (reply.logp, reply.entropy))))
             contexts[i] += ids
             spent[i] += len(ids)
             text = tokenizer.decode(ids[: len(ids) - int(ended)], skip_special_tokens=True)
@@ -164,41 +163,49 @@ def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size:
                 ep.env_truncated += cut
             # the history before this reply: delta_text renders it with a placeholder reply
             delta = tokenizer(delta_text(tokenizer, ep.messages[:-1], new, end_text), add_special_tokens=False)["input_ids"]
-            tails[i].append((delta, False, None))
+            tails[i].append((delta, False, None, None))
             contexts[i] += delta
             ep.env_tokens += len(delta)
             ep.messages += new
-    return to_rows(prompts, tails, episodes, tokenizer.pad_token_id, truncated), episodes
+    rows = to_rows(prompts, tails, episodes, tokenizer.pad_token_id, truncated)
+    if getattr(engine, "sampler_logp", False):  # hf: the sampler's fp32 logits are the policy's, as in generate
+        rows.logp_old, rows.engine_logp = rows.engine_logp, None
+    return rows, episodes
 
 
-def to_rows(prompts: list[list[int]], tails: list[list[tuple[list[int], bool, list[float] | None]]],
-            episodes: list[Episode], pad_id: int, truncated: int) -> Rollout:
+Segment = tuple[list[int], bool, list[float] | None, list[float] | None]  # ids, sampled?, engine log-probs, entropies
+
+
+def to_rows(prompts: list[list[int]], tails: list[list[Segment]], episodes: list[Episode], pad_id: int,
+            truncated: int) -> Rollout:
     """Episodes as one Rollout: prompts left-padded to P, trajectories right-padded to T; mask 1 on
-    sampled tokens (column P+j−1 scores tail token j), engine_logp where every reply has log-probs."""
+    sampled tokens (column P+j−1 scores tail token j); engine_logp (and entropy) where every reply has them."""
     n = len(prompts)
     p = max(len(x) for x in prompts)
-    t = max(1, max(sum(len(ids) for ids, _, _ in tail) for tail in tails))
+    t = max(1, max(sum(len(seg[0]) for seg in tail) for tail in tails))
     input_ids = torch.full((n, p + t), pad_id, dtype=torch.long)
     attention = torch.ones(n, p + t, dtype=torch.long)
     mask = torch.zeros(n, p + t - 1)
-    have_logp = all(lp is not None for tail in tails for _, sampled, lp in tail if sampled)
-    engine_logp = torch.zeros(n, p + t - 1) if have_logp else None
+    per_token = [torch.zeros(n, p + t - 1) if all(seg[k] is not None for tail in tails for seg in tail if seg[1]) else None
+                 for k in (2, 3)]  # engine log-probs, entropies
     for i, (prompt, tail) in enumerate(zip(prompts, tails)):
         input_ids[i, p - len(prompt): p] = torch.tensor(prompt, dtype=torch.long)
         attention[i, : p - len(prompt)] = 0
         col = p
-        for ids, sampled, logp in tail:
+        for ids, sampled, *values in tail:
             if ids:
                 input_ids[i, col: col + len(ids)] = torch.tensor(ids, dtype=torch.long)
                 if sampled:
                     mask[i, col - 1: col - 1 + len(ids)] = 1.0
-                    if engine_logp is not None:
-                        engine_logp[i, col - 1: col - 1 + len(ids)] = torch.tensor(logp, dtype=torch.float32)
+                    for out, v in zip(per_token, values):
+                        if out is not None:
+                            out[i, col - 1: col - 1 + len(ids)] = torch.tensor(v, dtype=torch.float32)
             col += len(ids)
     ended = torch.tensor([ep.cut is None for ep in episodes])
     texts = [ep.last_reply for ep in episodes]
     return Rollout(input_ids=input_ids, attention_mask=attention, completion_mask=mask, logp_old=None, logp_ref=None,
-                   ended=ended, prompt_len=p, texts=texts, prompts_truncated=truncated, engine_logp=engine_logp)
+                   ended=ended, prompt_len=p, texts=texts, prompts_truncated=truncated, engine_logp=per_token[0],
+                   entropy=per_token[1])
 
 
 @dataclass

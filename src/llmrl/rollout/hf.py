@@ -187,11 +187,13 @@ class HFEngine:
             sequences, logits = generate(model, ids.to(device), mask.to(device), group_size, config, sampler,
                                          with_logits=self.sampler_logp and not greedy)
         cmask, ended = completion_mask(sequences, width, config.eos_token_id)
-        logp = sampler_logprobs(logits, sequences, width)[0] if logits is not None else None
+        logp, entropy = sampler_logprobs(logits, sequences, width) if logits is not None else (None, None)
         del logits
         lengths = cmask.sum(1).long().tolist()
-        return [Reply(sequences[i, width: width + n].tolist(), bool(ended[i]),
-                      None if logp is None else logp[i, width - 1: width - 1 + n].tolist())
+        def of_reply(x: torch.Tensor | None, i: int, n: int) -> list[float] | None:
+            return None if x is None else x[i, width - 1: width - 1 + n].tolist()
+
+        return [Reply(sequences[i, width: width + n].tolist(), bool(ended[i]), of_reply(logp, i, n), of_reply(entropy, i, n))
                 for i, n in enumerate(lengths)]
 
     @torch.no_grad()

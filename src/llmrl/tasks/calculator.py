@@ -3,8 +3,10 @@
 An episode: the question (after one worked exchange in the chat history); the policy may write
 <calc>EXPRESSION</calc>, or a reply that is only an arithmetic expression (the environment answers
 <result>VALUE</result>), and ends with <answer>NUMBER</answer>. Reward: 1.0 for the right product in
-the answer tag ("correct"), 0.2 for using the calculator without error at least once ("tool"), 0.1
-for an answer tag holding a number ("format"); max 1.3.
+the answer tag ("correct"), 0.1 for a calculator call whose result is that product ("tool"); max 1.1.
+No credit for an answer alone (the model guesses products in its head, always wrong: a format credit
+for that made it stop calling the tool), nor for calls on other numbers (a credit for any valid call
+taught it to call "74 * 10" and stop; both measured on the embedded model).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import re
 from llmrl.tasks.base import Example, Reward, SeededSampling
 from llmrl.tasks.env import Environment, Episode, Turn, call_tool, find_tool_call
 
-SYSTEM = "Multiply with the calculator: <calc>A*B</calc> gives <result>N</result>. Then reply only <answer>N</answer>."
+SYSTEM = ("You cannot multiply in your head. First write <calc>A*B</calc> to use the calculator; it answers "
+          "<result>N</result>. Then write <answer>N</answer>.")
 USER = "Multiply {a} * {b}"
 SHOTS = [  # one worked exchange in the chat history: the protocol, with other numbers
     {"role": "user", "content": "Multiply 12 * 34"},
@@ -27,7 +30,7 @@ SHOTS = [  # one worked exchange in the chat history: the protocol, with other n
 ]
 ANSWER = re.compile(r"<answer>\s*(-?\d+)\s*</answer>")
 BARE = re.compile(r"[\d\s().]*\d\s*[-+*/x×]\s*[\d\s().+*/x×-]*")  # e.g. "964*59": arithmetic and nothing else
-WEIGHTS = {"correct": 1.0, "tool": 0.2, "format": 0.1}
+WEIGHTS = {"correct": 1.0, "tool": 0.1}
 EVAL_SEED_OFFSET = 321
 OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
        ast.Div: operator.truediv, ast.USub: operator.neg, ast.UAdd: operator.pos}
@@ -85,13 +88,13 @@ class CalculatorEnv(SeededSampling, Environment):
         if call is None:
             return Turn(None)  # neither a calculation nor an answer: the episode ends without one
         result, ok = call_tool(self.tools, *call)
-        return Turn([{"role": "user", "content": f"<result>{result}</result>"}], parts={"tool_ok": float(ok)},
+        right = float(ok and result == str(episode.example.answer))  # the question's product, not any sum
+        return Turn([{"role": "user", "content": f"<result>{result}</result>"}], parts={"right_call": right},
                     tool_calls=1, tool_errors=int(not ok))
 
     def reward(self, episode: Episode) -> Reward:
         answer = episode.state
-        flags = {"correct": answer == episode.example.answer, "tool": episode.parts.get("tool_ok", 0.0) > 0,
-                 "format": answer is not None}
+        flags = {"correct": answer == episode.example.answer, "tool": episode.parts.get("right_call", 0.0) > 0}
         components = {k: WEIGHTS[k] * float(v) for k, v in flags.items()}
         return Reward(total=sum(components.values()), components=components)
 
