@@ -159,10 +159,11 @@ def test_vllm_continues_exact_token_ids_and_its_logprobs_match_the_trainer(vllm_
     delta = tok("\nthe environment answers\n", add_special_tokens=False)["input_ids"]
     second = engine.continue_ids([c + r.ids + delta for c, r in zip(contexts, first)], [21, 22, 23, 24], engine.sampling, 4)
     assert all(len(r.ids) == 5 for r in first) and all(len(r.ids) == 4 for r in second)  # no EOS from a random model
-    tails = [[(a.ids, True, a.logp), (delta, False, None), (b.ids, True, b.logp)] for a, b in zip(first, second)]
+    tails = [[(a.ids, True, a.logp, a.entropy), (delta, False, None, None), (b.ids, True, b.logp, b.entropy)]
+             for a, b in zip(first, second)]
     episodes = [Episode(Example([], None), []) for _ in contexts]
     r = to_rows(contexts, tails, episodes, tok.pad_token_id, 0)
-    assert r.completion_mask.sum(1).tolist() == [9.0] * 4
+    assert r.completion_mask.sum(1).tolist() == [9.0] * 4 and r.entropy is None  # vLLM gives no entropies
     r = add_logprobs(model, r, chunk=4, group_size=2, shared_prefix=True, with_ref=False)
     assert ((r.logp_old - r.engine_logp).abs() * r.completion_mask).max() < 1e-3
     greedy = engine.continue_ids(contexts[::2], [0, 0], engine.sampling, 5, greedy=True)
