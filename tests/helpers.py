@@ -90,17 +90,20 @@ def kept_logits(logits: torch.Tensor, logits_to_keep) -> torch.Tensor:
     return logits[:, -logits_to_keep:] if logits_to_keep else logits
 
 
-def stop_after(n: int, eos: int):
+def stop_after(n: int, eos: int, spread: int = 0):
     """A KeyedSampler that ends every reply with EOS at its n-th token (the random tiny model never
-    chooses EOS); the other tokens are the keyed draw. Log-probs are of the raw logits either way."""
+    chooses EOS), or with `spread` at its (n + key % (spread + 1))-th, so rows of a batch end at
+    different lengths; the other tokens are the keyed draw. Log-probs are of the raw logits either way."""
     from llmrl.rollout.keyed import KeyedSampler
 
     class Stopping(KeyedSampler):
         def __call__(self, input_ids, scores):
             out = super().__call__(input_ids, scores)
-            if input_ids.shape[1] - self.prompt_width == n - 1:
-                out = torch.full_like(scores, float("-inf"))
-                out[:, eos] = 0.0
+            t = input_ids.shape[1] - self.prompt_width
+            for row, key in enumerate(self.row_keys):
+                if t == n - 1 + key % (spread + 1):
+                    out[row] = float("-inf")
+                    out[row, eos] = 0.0
             return out
 
     return Stopping

@@ -1,5 +1,6 @@
 """Multi-turn environments: token-in/token-out rows, the loss mask with gaps, limits, the built-in environments."""
 
+import contextlib
 import time
 
 import pytest
@@ -51,10 +52,10 @@ def tiny_policy(tiny_model_dir):
     return model, tok
 
 
-def play(model, tok, monkeypatch, examples, group_size=3, limits=None, env=None):
+def play(model, tok, monkeypatch, examples, group_size=3, limits=None, env=None, spread=0):
     import llmrl.rollout.hf as hf
 
-    monkeypatch.setattr(hf, "KeyedSampler", stop_after(4, tok.eos_token_id))
+    monkeypatch.setattr(hf, "KeyedSampler", stop_after(4, tok.eos_token_id, spread))
     engine = HFEngine(tok, SAMPLING, eval_batch_size=8, merge_lora=False, sampler_logp=True)
     engine.sync(model)
     limits = limits or Limits(max_turns=3, episode_tokens=15, reply_tokens=5, env_tokens=50, env_timeout=30)
@@ -128,6 +129,35 @@ def test_turn_keys_make_episodes_independent_of_their_batch(tiny_policy, monkeyp
     assert torch.equal(both.input_ids[:3, both.prompt_len: both.prompt_len + width], alone.input_ids[:, alone.prompt_len:])
 
 
+def test_later_turns_continue_each_episodes_kept_cache_with_the_tokens_of_a_full_prefill(tiny_policy, monkeypatch):
+    """The hf engine keeps each episode's KV cache between turns and runs only the new tokens: replies
+    of 4-7 tokens (rows end at different lengths, so kept prefixes and new tokens are padded to
+    different widths), prompts of different lengths, 3 turns. Same ids and mask as prefilling every
+    context from scratch, log-probs within 1e-5 (fp32: a cached key is the same product as a fresh
+    one, up to the summation order of a different batch shape), and the kept path did run."""
+    import llmrl.rollout.hf as hf
+
+    model, tok = tiny_policy
+    examples = [Example([{"role": "user", "content": "Say something."}], None),
+                Example([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there, model."}], None)]
+    limits = Limits(max_turns=3, episode_tokens=21, reply_tokens=7, env_tokens=50, env_timeout=30)
+    resumed = []
+    real = hf.resume_rows
+    monkeypatch.setattr(hf, "resume_rows", lambda *a, **k: resumed.append(real(*a, **k)) or resumed[-1])
+    kept, episodes = play(model, tok, monkeypatch, examples, limits=limits, spread=3)
+    assert len(resumed) == 2 and all(ep.done and ep.replies == 3 for ep in episodes)
+    ids, mask, cache = resumed[-1]  # turn 3: the cache holds the earlier turns, the input adds the new tokens
+    assert cache.get_seq_length() > 0 and ids.shape[1] - cache.get_seq_length() < 20
+    lengths = kept.completion_mask.sum(1)
+    assert len(set(lengths.tolist())) > 2  # replies of different lengths
+    monkeypatch.setattr(HFEngine, "episodes", lambda self: contextlib.nullcontext())
+    fresh, _ = play(model, tok, monkeypatch, examples, limits=limits, spread=3)
+    assert len(resumed) == 2  # no kept caches this time
+    assert torch.equal(kept.input_ids, fresh.input_ids) and torch.equal(kept.completion_mask, fresh.completion_mask)
+    torch.testing.assert_close(kept.logp_old, fresh.logp_old, rtol=0, atol=1e-5)
+    assert (kept.logp_old != 0).sum() == lengths.sum()
+
+
 class FlakyEnv(ScriptEnv):
     def step(self, episode, reply):
         g = episode.state
@@ -186,6 +216,9 @@ class ScriptedReplies:
 
     def __init__(self, replies: list[list[int]]):
         self.replies, self.contexts = replies, []
+
+    def episodes(self):
+        return contextlib.nullcontext()
 
     def continue_ids(self, contexts, keys, sampling, max_new_tokens, greedy=False, group_size=1):
         from llmrl.rollout.base import Reply
@@ -308,6 +341,7 @@ def test_environment_runs_from_the_cli_logs_turns_and_resumes_exactly(tmp_path, 
 
 
 HOSTILE_ENV = '''
+import contextlib
 import time
 from llmrl import Environment
 from llmrl.tasks.base import Example, Reward

@@ -137,9 +137,10 @@ def test_checkpoints_of_either_engine_load_in_plain_vllm_with_llmrl_eval_complet
 
 
 def test_vllm_continues_exact_token_ids_and_its_logprobs_match_the_trainer(vllm_model_dir):
-    """Multi-turn token-in/token-out on vLLM: two replies around appended environment ids, each generated
-    from the exact ids so far; as one masked row, the trainer's log-probs of the sampled tokens equal
-    vLLM's (fp32 CPU: within 1e-3, the bound of the single-turn parity test)."""
+    """Multi-turn token-in/token-out on vLLM, a 3-turn episode: three replies (5, 4 and 3 tokens) around
+    two appended environment deltas of different lengths, each generated from the exact ids so far;
+    as one masked row (mask 0 on every environment token), the trainer's log-probs of the sampled
+    tokens equal vLLM's (fp32 CPU: within 1e-3, the bound of the single-turn parity test)."""
     from llmrl.rollout.episodes import to_rows
     from llmrl.rollout.prompts import render
     from llmrl.tasks.base import Example
@@ -155,15 +156,25 @@ def test_vllm_continues_exact_token_ids_and_its_logprobs_match_the_trainer(vllm_
     engine.sync(model)
     prompts = [render(tok, [{"role": "user", "content": text}]) for text in ("Hi.", "Write a longer line, please.")]
     contexts = [p for p in prompts for _ in range(2)]
-    first = engine.continue_ids(contexts, [11, 12, 13, 14], engine.sampling, 5, group_size=2)
-    delta = tok("\nthe environment answers\n", add_special_tokens=False)["input_ids"]
-    second = engine.continue_ids([c + r.ids + delta for c, r in zip(contexts, first)], [21, 22, 23, 24], engine.sampling, 4)
-    assert all(len(r.ids) == 5 for r in first) and all(len(r.ids) == 4 for r in second)  # no EOS from a random model
-    tails = [[(a.ids, True, a.logp, a.entropy), (delta, False, None, None), (b.ids, True, b.logp, b.entropy)]
-             for a, b in zip(first, second)]
+    deltas = [tok(text, add_special_tokens=False)["input_ids"]
+              for text in ("\nthe environment answers\n", "\nand then, at greater length, it answers again\n")]
+    with engine.episodes():
+        first = engine.continue_ids(contexts, [11, 12, 13, 14], engine.sampling, 5, group_size=2)
+        so_far = [c + r.ids + deltas[0] for c, r in zip(contexts, first)]
+        second = engine.continue_ids(so_far, [21, 22, 23, 24], engine.sampling, 4)
+        so_far = [c + r.ids + deltas[1] for c, r in zip(so_far, second)]
+        third = engine.continue_ids(so_far, [31, 32, 33, 34], engine.sampling, 3)
+    assert [len(r.ids) for r in first + second + third] == [5] * 4 + [4] * 4 + [3] * 4  # no EOS from a random model
+    tails = [[(a.ids, True, a.logp, a.entropy), (deltas[0], False, None, None), (b.ids, True, b.logp, b.entropy),
+              (deltas[1], False, None, None), (c.ids, True, c.logp, c.entropy)] for a, b, c in zip(first, second, third)]
     episodes = [Episode(Example([], None), []) for _ in contexts]
     r = to_rows(contexts, tails, episodes, tok.pad_token_id, 0)
-    assert r.completion_mask.sum(1).tolist() == [9.0] * 4 and r.entropy is None  # vLLM gives no entropies
+    assert r.completion_mask.sum(1).tolist() == [12.0] * 4 and r.entropy is None  # vLLM gives no entropies
+    for i, c in enumerate(so_far):
+        assert r.input_ids[i][r.attention_mask[i].bool()].tolist() == c + third[i].ids
+        mask = r.completion_mask[i, r.prompt_len - 1:].tolist()  # mask[j] scores trajectory token j
+        assert mask[5: 5 + len(deltas[0])] == [0.0] * len(deltas[0])
+        assert mask[9 + len(deltas[0]): 9 + len(deltas[0]) + len(deltas[1])] == [0.0] * len(deltas[1])
     r = add_logprobs(model, r, chunk=4, group_size=2, shared_prefix=True, with_ref=False)
     assert ((r.logp_old - r.engine_logp).abs() * r.completion_mask).max() < 1e-3
     greedy = engine.continue_ids(contexts[::2], [0, 0], engine.sampling, 5, greedy=True)

@@ -7,10 +7,12 @@ which completes a rollout with its old and reference log-probs (engines generate
     engine.greedy(messages, max_new_tokens)              one greedy completion per prompt (eval)
     engine.sample(messages, k, seed, first, sampling)    k sampled completions per prompt (eval with k > 1)
     engine.continue_ids(contexts, keys, sampling, n)     one reply per context of token ids (multi-turn episodes)
+    with engine.episodes(): ...                          the turns of one rollout's episodes (one policy)
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -128,6 +130,10 @@ class RolloutEngine(Protocol):
         """Token-in/token-out: one reply per context of exact token ids (no chat template), noise keyed
         by keys (greedy: argmax); contexts come in runs of group_size equal ones (an engine may share
         their prefill). Multi-turn episodes (rollout/episodes.py) are made of these."""
+
+    def episodes(self) -> AbstractContextManager:
+        """The continue_ids calls of one rollout's episodes happen inside this (weights unchanged): an
+        engine may keep each episode's KV cache from one turn to the next."""
 
     def sample(self, messages: list[list[dict[str, str]]], *, k: int, seed: int, first_prompt: int,
                sampling: Sampling) -> tuple[list[str], int]:

@@ -122,51 +122,52 @@ def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size:
             tails.append([])  # (token ids, sampled?, engine log-probs, engine entropies (or None)) segments
     keys = [mix(seed, first_prompt + b, g) for b in range(len(examples)) for g in range(group_size)]
     spent = [0] * len(episodes)
-    for turn in range(limits.max_turns):
-        live = [i for i, ep in enumerate(episodes) if not ep.done and ep.cut is None]
-        if not live:
-            break
-        budgets = [min(limits.reply_tokens, limits.episode_tokens - spent[i]) for i in live]
-        turn_keys = [keys[i] if turn == 0 else mix(keys[i], turn) for i in live]
-        replies = engine.continue_ids([contexts[i] for i in live], turn_keys, sampling, max(budgets), greedy=greedy,
-                                      group_size=group_size if turn == 0 else 1)  # turn 0: a group shares its prompt
-        for i, budget, reply in zip(live, budgets, replies):
-            ep = episodes[i]
-            ids, ended = reply.ids[:budget], reply.ended and len(reply.ids) <= budget
-            tails[i].append((ids, True, *(None if x is None else x[: len(ids)] for x in (reply.logp, reply.entropy))))
-            contexts[i] += ids
-            spent[i] += len(ids)
-            text = tokenizer.decode(ids[: len(ids) - int(ended)], skip_special_tokens=True)
-            ep.messages.append({"role": "assistant", "content": text})
-            ep.replies += 1
-            if not ended:
-                ep.cut = "reply_tokens" if spent[i] < limits.episode_tokens else "episode_tokens"
-                continue
-            out = env_step(env, ep, text, limits.env_timeout)
-            for name, v in out.parts.items():
-                ep.parts[name] = ep.parts.get(name, 0.0) + v
-            ep.tool_calls += out.tool_calls
-            ep.tool_errors += out.tool_errors
-            if out.messages is None:
-                ep.done = ep.cut is None
-                continue
-            if spent[i] >= limits.episode_tokens:
-                ep.cut = "episode_tokens"
-                continue
-            if turn + 1 == limits.max_turns:
-                ep.cut = "max_turns"
-                continue
-            new = []
-            for m in out.messages:
-                m, cut = capped(tokenizer, m, limits.env_tokens)
-                new.append(m)
-                ep.env_truncated += cut
-            # the history before this reply: delta_text renders it with a placeholder reply
-            delta = tokenizer(delta_text(tokenizer, ep.messages[:-1], new, end_text), add_special_tokens=False)["input_ids"]
-            tails[i].append((delta, False, None, None))
-            contexts[i] += delta
-            ep.env_tokens += len(delta)
-            ep.messages += new
+    with engine.episodes():  # hf: each episode's KV cache carries over to its next turn
+        for turn in range(limits.max_turns):
+            live = [i for i, ep in enumerate(episodes) if not ep.done and ep.cut is None]
+            if not live:
+                break
+            budgets = [min(limits.reply_tokens, limits.episode_tokens - spent[i]) for i in live]
+            turn_keys = [keys[i] if turn == 0 else mix(keys[i], turn) for i in live]
+            replies = engine.continue_ids([contexts[i] for i in live], turn_keys, sampling, max(budgets), greedy=greedy,
+                                          group_size=group_size if turn == 0 else 1)  # turn 0: a group shares its prompt
+            for i, budget, reply in zip(live, budgets, replies):
+                ep = episodes[i]
+                ids, ended = reply.ids[:budget], reply.ended and len(reply.ids) <= budget
+                tails[i].append((ids, True, *(None if x is None else x[: len(ids)] for x in (reply.logp, reply.entropy))))
+                contexts[i] += ids
+                spent[i] += len(ids)
+                text = tokenizer.decode(ids[: len(ids) - int(ended)], skip_special_tokens=True)
+                ep.messages.append({"role": "assistant", "content": text})
+                ep.replies += 1
+                if not ended:
+                    ep.cut = "reply_tokens" if spent[i] < limits.episode_tokens else "episode_tokens"
+                    continue
+                out = env_step(env, ep, text, limits.env_timeout)
+                for name, v in out.parts.items():
+                    ep.parts[name] = ep.parts.get(name, 0.0) + v
+                ep.tool_calls += out.tool_calls
+                ep.tool_errors += out.tool_errors
+                if out.messages is None:
+                    ep.done = ep.cut is None
+                    continue
+                if spent[i] >= limits.episode_tokens:
+                    ep.cut = "episode_tokens"
+                    continue
+                if turn + 1 == limits.max_turns:
+                    ep.cut = "max_turns"
+                    continue
+                new = []
+                for m in out.messages:
+                    m, cut = capped(tokenizer, m, limits.env_tokens)
+                    new.append(m)
+                    ep.env_truncated += cut
+                # the history before this reply: delta_text renders it with a placeholder reply
+                delta = tokenizer(delta_text(tokenizer, ep.messages[:-1], new, end_text), add_special_tokens=False)["input_ids"]
+                tails[i].append((delta, False, None, None))
+                contexts[i] += delta
+                ep.env_tokens += len(delta)
+                ep.messages += new
     rows = to_rows(prompts, tails, episodes, tokenizer.pad_token_id, truncated)
     if getattr(engine, "sampler_logp", False):  # hf: the sampler's fp32 logits are the policy's, as in generate
         rows.logp_old, rows.engine_logp = rows.engine_logp, None

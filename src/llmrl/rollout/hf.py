@@ -10,6 +10,8 @@ sampler's raw logits give the old log-probs and entropies without a second forwa
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
@@ -76,32 +78,90 @@ def growing_cache(config, reserve: int) -> DynamicCache:
 @torch.no_grad()
 def generate(
     model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int, gen_config: GenerationConfig,
-    sampler: KeyedSampler | None = None, with_logits: bool = False,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
-    """`group_size` completions per prompt: [B, P] → (sequences [B*G, P+T] prompt-major, and with
-    `with_logits` the raw (temperature-1, unprocessed) logits of each generated position: T × [B*G, V]).
+    sampler: KeyedSampler | None = None, with_logits: bool = False, cache: DynamicCache | None = None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None, DynamicCache | None]:
+    """`group_size` completions per prompt: [B, P] → (sequences [B*G, P+T] prompt-major, with
+    `with_logits` the raw (temperature-1, unprocessed) logits of each generated position: T × [B*G, V],
+    and the cache: [B*G, H, P+T-1, D] per layer, the last token not run).
 
     The prompt minus its last token is prefilled once per prompt; the cache is repeated G times and
     `generate` continues from it, which gives the same tokens as generating from the repeated prompts.
+    A `cache` given (group_size 1) already holds the first columns of the prompt; generate runs the rest.
     With a `sampler`, tokens are drawn by it; otherwise greedily.
     """
-    cache = growing_cache(model.config, reserve=prompt_ids.shape[1] + gen_config.max_new_tokens)
-    if prompt_ids.shape[1] > 1:
-        model(
-            input_ids=prompt_ids[:, :-1], attention_mask=prompt_mask[:, :-1],
-            position_ids=position_ids(prompt_mask)[:, :-1], **{CACHE: cache}, use_cache=True, logits_to_keep=1,
-        )
-        cache.batch_repeat_interleave(group_size)
+    if cache is None:
+        cache = growing_cache(model.config, reserve=prompt_ids.shape[1] + gen_config.max_new_tokens)
+        if prompt_ids.shape[1] > 1:
+            model(
+                input_ids=prompt_ids[:, :-1], attention_mask=prompt_mask[:, :-1],
+                position_ids=position_ids(prompt_mask)[:, :-1], **{CACHE: cache}, use_cache=True, logits_to_keep=1,
+            )
+            cache.batch_repeat_interleave(group_size)
+    else:
+        assert group_size == 1, "a given cache holds one row per prompt"
     gen_config = copy.copy(gen_config)
     gen_config.return_dict_in_generate, gen_config.output_logits = True, with_logits
     out = model.generate(
         input_ids=prompt_ids.repeat_interleave(group_size, 0),
         attention_mask=prompt_mask.repeat_interleave(group_size, 0),
-        **{CACHE: cache if prompt_ids.shape[1] > 1 else None},
+        **{CACHE: cache if cache.get_seq_length() else None},
         generation_config=gen_config,
         logits_processor=LogitsProcessorList([sampler]) if sampler is not None else None,
     )
-    return out.sequences, (out.logits if with_logits else None)
+    return out.sequences, (out.logits if with_logits else None), getattr(out, CACHE, None)
+
+
+@dataclass
+class Kept:
+    """One row's KV cache after a reply: the token ids it covers and per layer (keys, values) [H, len, D]."""
+
+    ids: list[int]
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def keep_rows(cache: DynamicCache, sequences: torch.Tensor, input_mask: torch.Tensor, lengths: list[int]) -> list[Kept]:
+    """Each row's cache without its padding: the input columns where input_mask [N, W] is 1, then the
+    first `lengths[i]` generated columns (those the cache holds: all but the last token generated)."""
+    width, held = input_mask.shape[1], cache.get_seq_length()
+    kept = []
+    for i, n in enumerate(lengths):
+        cols = torch.cat([input_mask[i].nonzero().squeeze(1).cpu(), torch.arange(width, width + max(0, min(n, held - width)))])
+        cols_d = cols.to(sequences.device)
+        kept.append(Kept(sequences[i, cols_d].tolist(),
+                         [(layer.keys[i].index_select(1, cols_d), layer.values[i].index_select(1, cols_d))
+                          for layer in cache.layers]))
+    return kept
+
+
+def resume_rows(model, contexts: list[list[int]], kept: list[Kept], pad_id: int, reserve: int, device
+                ) -> tuple[torch.Tensor, torch.Tensor, DynamicCache]:
+    """A batch that continues from kept caches: each context's longest kept prefix (at most all but
+    its last token) goes into the cache, the rest into the input. Row layout [N, C + S]: the cached
+    prefix left-padded to C columns, then the new tokens left-padded to S; padding is masked out, so
+    positions (mask cumsum) and attention are those of the unpadded context."""
+    def best(c: list[int]) -> Kept | None:
+        hits = [k for k in kept if len(k.ids) < len(c) and c[: len(k.ids)] == k.ids]
+        return max(hits, key=lambda k: len(k.ids), default=None)
+
+    found = [best(c) for c in contexts]
+    cached = [0 if k is None else len(k.ids) for k in found]
+    c_width, s_width = max(cached), max(len(c) - n for c, n in zip(contexts, cached))
+    ids = torch.full((len(contexts), c_width + s_width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (c, n) in enumerate(zip(contexts, cached)):
+        ids[i, c_width - n: c_width], mask[i, c_width - n: c_width] = torch.tensor(c[:n], dtype=torch.long), 1
+        ids[i, c_width + s_width - (len(c) - n):], mask[i, c_width + s_width - (len(c) - n):] = torch.tensor(c[n:], dtype=torch.long), 1
+    cache = growing_cache(model.config, reserve=c_width + s_width + reserve)
+    if c_width:
+        some = next(k for k in found if k is not None)
+        for layer, (k0, v0) in enumerate(some.kv):
+            keys = k0.new_zeros(len(contexts), k0.shape[0], c_width, k0.shape[2])
+            values = v0.new_zeros(len(contexts), v0.shape[0], c_width, v0.shape[2])
+            for i, (k, n) in enumerate(zip(found, cached)):
+                if k is not None:
+                    keys[i, :, c_width - n:], values[i, :, c_width - n:] = k.kv[layer]
+            cache.layers[layer].update(keys, values)
+    return ids.to(device), mask.to(device), cache
 
 
 class HFEngine:
@@ -111,6 +171,19 @@ class HFEngine:
         self.tokenizer, self.sampling, self.eval_batch_size = tokenizer, sampling, eval_batch_size
         self.merge_lora, self.sampler_logp = merge_lora, sampler_logp
         self.model = None
+        self._kept: list[Kept] | None = None  # inside episodes(): the rows of the last continue_ids call
+
+    @contextmanager
+    def episodes(self):
+        """Within one rollout's episodes (one policy): each continue_ids keeps its rows' KV caches and the
+        next turn runs only the new tokens (the reply's last token and the environment's delta) instead
+        of prefilling the whole context again. Models with other than full-attention layers (sliding
+        windows) re-prefill."""
+        self._kept = [] if all(type(x) is GrowingLayer for x in growing_cache(self.model.config, 0).layers) else None
+        try:
+            yield
+        finally:
+            self._kept = None
 
     def sync(self, model) -> None:
         """HF generates with the policy object itself, so it always samples the current weights."""
@@ -149,8 +222,8 @@ class HFEngine:
         keys = [mix(seed, first_prompt + b, g) for b in range(len(messages)) for g in range(group_size)]
         sampler = KeyedSampler(keys, prompt_len, s.temperature, s.top_p, s.top_k)
         with inference_mode(model), merged_lora(model, self.merge_lora):  # no LoRA dropout while sampling
-            sequences, logits = generate(model, prompt_ids, prompt_mask, group_size, config, sampler,
-                                         with_logits=with_logits)  # [N, L], T × [N, V]
+            sequences, logits, _ = generate(model, prompt_ids, prompt_mask, group_size, config, sampler,
+                                            with_logits=with_logits)  # [N, L], T × [N, V]
         attention = torch.ones_like(sequences)
         attention[:, :prompt_len] = prompt_mask.repeat_interleave(group_size, 0)
         mask, ended = completion_mask(sequences, prompt_len, config.eos_token_id)
@@ -173,23 +246,33 @@ class HFEngine:
         prefilled once each, as `generate` does for a group."""
         model = self.model
         device = next(model.parameters()).device
-        width = max(len(c) for c in contexts)
-        unique = contexts[::group_size]
-        assert all(contexts[i] == unique[i // group_size] for i in range(len(contexts))), "contexts are not in groups"
-        ids = torch.full((len(unique), width), self.tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, c in enumerate(unique):
-            ids[i, width - len(c):], mask[i, width - len(c):] = torch.tensor(c, dtype=torch.long), 1
         config = self._config(repetition_penalty=s.repetition_penalty, min_new_tokens=0 if greedy else s.min_new_tokens,
                               max_new_tokens=max_new_tokens)
+        cache = None
+        if self._kept and group_size == 1:  # later turns: continue each episode's cache
+            ids, mask, cache = resume_rows(model, contexts, self._kept, self.tokenizer.pad_token_id, max_new_tokens, device)
+        else:
+            width = max(len(c) for c in contexts)
+            unique = contexts[::group_size]
+            assert all(contexts[i] == unique[i // group_size] for i in range(len(contexts))), "contexts are not in groups"
+            ids = torch.full((len(unique), width), self.tokenizer.pad_token_id, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, c in enumerate(unique):
+                ids[i, width - len(c):], mask[i, width - len(c):] = torch.tensor(c, dtype=torch.long), 1
+            ids, mask = ids.to(device), mask.to(device)
+        width = ids.shape[1]
         sampler = None if greedy else KeyedSampler(keys, width, s.temperature, s.top_p, s.top_k)
         with inference_mode(model), merged_lora(model, self.merge_lora):
-            sequences, logits = generate(model, ids.to(device), mask.to(device), group_size, config, sampler,
-                                         with_logits=self.sampler_logp and not greedy)
+            sequences, logits, cache = generate(model, ids, mask, group_size, config, sampler,
+                                                with_logits=self.sampler_logp and not greedy, cache=cache)
         cmask, ended = completion_mask(sequences, width, config.eos_token_id)
         logp, entropy = sampler_logprobs(logits, sequences, width) if logits is not None else (None, None)
         del logits
         lengths = cmask.sum(1).long().tolist()
+        if self._kept is not None:
+            self._kept = keep_rows(cache, sequences, mask.repeat_interleave(group_size, 0), lengths)
+        del cache
+
         def of_reply(x: torch.Tensor | None, i: int, n: int) -> list[float] | None:
             return None if x is None else x[i, width - 1: width - 1 + n].tolist()
 
@@ -208,7 +291,7 @@ class HFEngine:
                 ids, mask, _ = encode_prompts(self.tokenizer, messages[i : i + self.eval_batch_size],
                                               self.sampling.max_prompt_tokens, device)
                 with merged_lora(model, self.merge_lora):
-                    sequences, _ = generate(model, ids, mask, 1, config)
+                    sequences, _, _ = generate(model, ids, mask, 1, config)
                 cmask, ended = completion_mask(sequences, ids.shape[1], config.eos_token_id)
                 texts += decode_completions(self.tokenizer, sequences[:, ids.shape[1] :], cmask.sum(1), ended)
                 truncated += int((~ended).sum())

@@ -164,6 +164,10 @@ class VLLMEngine:
         r = self._draw(messages, k, seed, first_prompt, sampling, logprobs=False)
         return r.texts, int((~r.ended).sum())
 
+    def episodes(self):
+        """Nothing to keep between an episode's turns: vLLM's prefix cache reuses the context's KV blocks."""
+        return contextlib.nullcontext()
+
     def continue_ids(self, contexts: list[list[int]], keys: list[int], s: Sampling, max_new_tokens: int,
                      greedy: bool = False, group_size: int = 1) -> list[Reply]:
         """Token-in/token-out (multi-turn): one request per context of exact token ids, seeded by its key;
