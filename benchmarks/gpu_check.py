@@ -493,6 +493,7 @@ def probe_parity(run: str) -> dict:
     from llmrl.config import load_config, resolve
     from llmrl.models.scoring import inference_mode, sequence_logprobs, shared_prefix_logprobs
     from llmrl.rollout import add_logprobs, make_engine
+    from llmrl.rollout.episodes import one_turn
     from llmrl.tasks import task_from_config
     from llmrl.training.run import build_policy
     from llmrl.training.step import step_seed
@@ -507,7 +508,8 @@ def probe_parity(run: str) -> dict:
     engine.sync(model)
     examples = task_from_config(cfg).sample_train_batch(cfg.batch_size)
     g = cfg.group_size
-    r = engine.generate([ex.messages for ex in examples], group_size=g, seed=step_seed(cfg.seed, cfg.steps + 1))
+    r = one_turn(engine, tokenizer, [ex.messages for ex in examples], group_size=g, seed=step_seed(cfg.seed, cfg.steps + 1),
+                 sampling=engine.sampling, device=next(model.parameters()).device)  # what a training step draws
     sampler = r.logp_old * r.completion_mask  # [N, L-1]
     if plan.sampler_logp:
         old, source = sampler, "sampler's"

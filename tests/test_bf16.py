@@ -128,6 +128,7 @@ def test_bf16_old_and_new_logprobs_are_the_same_at_theta_old(tiny_model_dir, mon
     round differently from a training forward's: measured on the embedded model, 2.5e-2 nats per
     token apart; on this tiny model they happen to agree, so only the tokens are compared here.)"""
     from llmrl.rollout.base import Sampling, add_logprobs
+    from llmrl.rollout.episodes import one_turn
     from llmrl.rollout.hf import HFEngine
     from llmrl.training.update import trim_to_completions
 
@@ -139,7 +140,7 @@ def test_bf16_old_and_new_logprobs_are_the_same_at_theta_old(tiny_model_dir, mon
     for from_sampler in (False, True):
         engine = HFEngine(tok, sampling, eval_batch_size=8, merge_lora=True, sampler_logp=from_sampler)
         engine.sync(model)
-        r = engine.generate(MESSAGES, group_size=3, seed=4)
+        r = one_turn(engine, tok, MESSAGES, group_size=3, seed=4, sampling=sampling, device="cpu")
         rollouts[from_sampler] = add_logprobs(model, r, chunk=6, group_size=3, shared_prefix=True, with_ref=False)
     r = rollouts[False]
     assert torch.equal(r.input_ids, rollouts[True].input_ids)

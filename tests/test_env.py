@@ -118,6 +118,55 @@ def test_scripted_episodes_are_the_templates_tokens_with_a_mask_on_sampled_token
     assert (per_position[scored == 1] > 0).all()
 
 
+def test_a_single_turn_rollout_is_the_one_turn_episode_with_the_rows_of_one_generate_call(tiny_policy, monkeypatch):
+    """Single-turn tasks take the episode path (`one_turn`, what a training step calls): its rows are
+    exactly those of one `generate` call over the batch with G = 3 keyed completions per prompt (the
+    single-turn rollout before episodes): prompts of three lengths left-padded (one cut to
+    max_prompt_tokens, counted), min_new_tokens 1, completions of
+    2-5 tokens (rows cut at max_new_tokens among them), padding after EOS, the mask up to each EOS,
+    the sampler's log-probs and entropies at the same columns, the same texts."""
+    import dataclasses
+
+    import llmrl.rollout.hf as hf
+    from llmrl.algorithms.core import completion_mask
+    from llmrl.models.scoring import sampler_logprobs
+    from llmrl.rollout.episodes import one_turn
+    from llmrl.rollout.keyed import mix
+    from llmrl.rollout.prompts import decode_completions, encode_prompts, render
+
+    model, tok = tiny_policy
+    stopping = stop_after(2, tok.eos_token_id, spread=4)  # EOS at token 2-6 by key; max_new_tokens = 5 cuts some
+    monkeypatch.setattr(hf, "KeyedSampler", stopping)
+    messages = [[{"role": "user", "content": "Say something."}],
+                [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there, model, how are you?"}],
+                [{"role": "user", "content": "Hi."}]]
+    lengths = [len(render(tok, m)) for m in messages]
+    assert len(set(lengths)) == 3
+    # the longest prompt is cut to the middle one's length; min_new_tokens 1 holds EOS back at the first token
+    sampling = dataclasses.replace(SAMPLING, min_new_tokens=1, max_prompt_tokens=sorted(lengths)[1])
+    engine = HFEngine(tok, sampling, eval_batch_size=8, merge_lora=False, sampler_logp=True)
+    engine.sync(model)
+    r = one_turn(engine, tok, messages, group_size=3, seed=1, first_prompt=4, sampling=sampling, device="cpu")
+
+    ids, mask, truncated = encode_prompts(tok, messages, sampling.max_prompt_tokens, torch.device("cpu"))
+    assert r.prompts_truncated == truncated == 1
+    keys = [mix(1, 4 + b, g) for b in range(3) for g in range(3)]
+    config = engine._config(repetition_penalty=1.0, min_new_tokens=1, max_new_tokens=sampling.max_new_tokens)
+    model.eval()
+    seq, logits, _ = hf.generate(model, ids, mask, 3, config, stopping(keys, ids.shape[1], 1.0, 1.0, 0), with_logits=True)
+    cmask, ended = completion_mask(seq, ids.shape[1], config.eos_token_id)
+    logp, entropy = sampler_logprobs(logits, seq, ids.shape[1])
+    lengths = cmask.sum(1).tolist()
+    assert len(set(lengths)) > 2 and not ended.all() and ended.any(), lengths  # the rows stress the layout
+    assert r.prompt_len == ids.shape[1] and torch.equal(r.input_ids, seq)
+    assert torch.equal(r.attention_mask[:, : r.prompt_len], mask.repeat_interleave(3, 0))
+    assert (r.attention_mask[:, r.prompt_len:] == 1).all()
+    assert torch.equal(r.completion_mask, cmask) and torch.equal(r.ended, ended)
+    torch.testing.assert_close(r.logp_old, logp * cmask, rtol=0, atol=0)
+    torch.testing.assert_close(r.entropy, entropy * cmask, rtol=0, atol=0)
+    assert r.texts == decode_completions(tok, seq[:, r.prompt_len:], cmask.sum(1), ended)
+
+
 def test_turn_keys_make_episodes_independent_of_their_batch(tiny_policy, monkeypatch):
     """Noise keyed by (seed, prompt, g, turn): an example's episodes are the same alone or beside another."""
     model, tok = tiny_policy
@@ -213,6 +262,8 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_at_start(tiny_model_d
 
 class ScriptedReplies:
     """An engine whose replies are fixed token ids (a stand-in for sampling): it records every context."""
+
+    sampler_logp = False
 
     def __init__(self, replies: list[list[int]]):
         self.replies, self.contexts = replies, []

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from llmrl.models.loading import add_lora
 from llmrl.models.scoring import chunked_logprobs
 from llmrl.rollout import HFEngine, Sampling, add_logprobs
+from llmrl.rollout.episodes import one_turn
 from llmrl.rollout.keyed import KeyedSampler
 
 MESSAGES = [
@@ -56,7 +57,8 @@ def sample(model, tok, messages, extra_eos=(), *, seed=11, first_prompt=0, logp_
     engine = HFEngine(tok, sampling, eval_batch_size=8, merge_lora=merge_lora, sampler_logp=logp_from_sampler)
     engine.sync(model)
     with stopping_also_at(model, extra_eos):
-        r = engine.generate(messages, group_size=3, seed=seed, first_prompt=first_prompt)
+        r = one_turn(engine, tok, messages, group_size=3, seed=seed, first_prompt=first_prompt, sampling=sampling,
+                     device="cpu")
     return add_logprobs(model, r, chunk=4, group_size=3, shared_prefix=shared_prefix, with_ref=with_ref)
 
 

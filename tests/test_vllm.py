@@ -17,6 +17,7 @@ from conftest import save_tiny_llama  # noqa: E402
 from helpers import TESTS, assert_same_run, cli, read_jsonl, run_cli, tiny_args, train_records  # noqa: E402
 from llmrl.config import load_config, resolve  # noqa: E402
 from llmrl.rollout import add_logprobs, make_engine  # noqa: E402
+from llmrl.rollout.episodes import one_turn  # noqa: E402
 from llmrl.training.run import build_policy  # noqa: E402
 
 ROOT = TESTS.parent
@@ -27,6 +28,12 @@ def vllm_model_dir(tmp_path_factory, embedded_path) -> str:
     """A tiny Llama that vLLM's CPU attention takes (head_dim 64)."""
     return save_tiny_llama(tmp_path_factory.mktemp("vllm-llama"), embedded_path, hidden=128, intermediate=256, heads=2,
                            kv_heads=1, positions=512)
+
+
+def vllm_config(model_dir, **shape):
+    """A CPU config of the tiny model on the toy task with the vllm engine; `shape`: lengths and batch sizes."""
+    return load_config(None, {"model": model_dir, "task": "toy_task:CharTask", "lora_r": 8, "lora_alpha": 16, "device": "cpu",
+                              "rollout_engine": "vllm", "lora_dropout": 0.0, **shape})
 
 
 def vargs(model, out, steps=4, **extra):
@@ -43,9 +50,7 @@ def perturb_lora(model, seed: int) -> None:
 
 
 def test_greedy_equals_the_hf_policy_after_sync_and_a_stale_engine_is_caught(vllm_model_dir):
-    cfg = load_config(None, {"model": vllm_model_dir, "task": "toy_task:CharTask", "lora_r": 8, "lora_alpha": 16,
-                             "max_new_tokens": 8, "max_prompt_tokens": 64, "batch_size": 3, "group_size": 3,
-                             "minibatch_size": 3, "device": "cpu", "rollout_engine": "vllm", "lora_dropout": 0.0})
+    cfg = vllm_config(vllm_model_dir, max_new_tokens=8, max_prompt_tokens=64, batch_size=3, group_size=3, minibatch_size=3)
     plan = resolve(cfg)
     model, tok, _ = build_policy(cfg, plan)
     engine = make_engine(cfg, plan, tok)
@@ -61,7 +66,7 @@ def test_greedy_equals_the_hf_policy_after_sync_and_a_stale_engine_is_caught(vll
         return engine.greedy(messages, 8)[0], hf.greedy(messages, 8)[0]
 
     def logprob_gap():
-        r = engine.generate(messages[:3], group_size=3, seed=11)
+        r = one_turn(engine, tok, messages[:3], group_size=3, seed=11, sampling=engine.sampling, device="cpu")
         engine_logp = r.engine_logp.clone()
         r = add_logprobs(model, r, chunk=9, group_size=3, shared_prefix=True, with_ref=False)
         return ((r.logp_old - engine_logp).abs() * r.completion_mask).max().item()
@@ -146,9 +151,7 @@ def test_vllm_continues_exact_token_ids_and_its_logprobs_match_the_trainer(vllm_
     from llmrl.tasks.base import Example
     from llmrl.tasks.env import Episode
 
-    cfg = load_config(None, {"model": vllm_model_dir, "task": "toy_task:CharTask", "lora_r": 8, "lora_alpha": 16,
-                             "max_new_tokens": 8, "max_prompt_tokens": 64, "batch_size": 2, "group_size": 2,
-                             "minibatch_size": 2, "device": "cpu", "rollout_engine": "vllm", "lora_dropout": 0.0})
+    cfg = vllm_config(vllm_model_dir, max_new_tokens=8, max_prompt_tokens=64, batch_size=2, group_size=2, minibatch_size=2)
     plan = resolve(cfg)
     model, tok, _ = build_policy(cfg, plan)
     perturb_lora(model, 3)
@@ -186,9 +189,7 @@ def test_vllm_prefills_a_batch_over_4096_tokens_without_splitting_it(vllm_model_
     crashed on a split prefill ("CPU Generator does not use offset"; a multi-turn calculator run hit it
     at step 6), so the CPU engine makes room for the whole batch; each reply is the one its context
     and key give alone."""
-    cfg = load_config(None, {"model": vllm_model_dir, "task": "toy_task:CharTask", "lora_r": 8, "lora_alpha": 16,
-                             "max_new_tokens": 4, "max_prompt_tokens": 72, "batch_size": 12, "group_size": 5,
-                             "minibatch_size": 60, "device": "cpu", "rollout_engine": "vllm", "lora_dropout": 0.0})
+    cfg = vllm_config(vllm_model_dir, max_new_tokens=4, max_prompt_tokens=72, batch_size=12, group_size=5, minibatch_size=60)
     plan = resolve(cfg)
     model, tok, _ = build_policy(cfg, plan)
     engine = make_engine(cfg, plan, tok)

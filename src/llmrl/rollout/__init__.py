@@ -7,7 +7,6 @@ from llmrl.rollout.base import Rollout, RolloutEngine, Sampling, add_logprobs
 from llmrl.rollout.hf import HFEngine
 
 
-
 def _vllm_engine(tokenizer, sampling: Sampling, cfg, plan):
     from llmrl.models.loading import resolve_model_path
     from llmrl.rollout.vllm_engine import VLLMEngine

@@ -2,11 +2,11 @@
 which completes a rollout with its old and reference log-probs (engines generate; they do not score).
 
     engine.sync(model)                                   before each rollout: sample from exactly this policy
-    engine.release()                                     after generate, before the old/ref forwards and the update
-    engine.generate(messages, group_size, seed, first)   G completions per prompt → Rollout (prompt-major)
+    engine.release()                                     after sampling, before the old/ref forwards and the update
     engine.greedy(messages, max_new_tokens)              one greedy completion per prompt (eval)
     engine.sample(messages, k, seed, first, sampling)    k sampled completions per prompt (eval with k > 1)
-    engine.continue_ids(contexts, keys, sampling, n)     one reply per context of token ids (multi-turn episodes)
+    engine.continue_ids(contexts, keys, sampling, n)     one reply per context of token ids: every training
+                                                         rollout's turns (rollout/episodes.py; single-turn = one turn)
     with engine.episodes(): ...                          the turns of one rollout's episodes (one policy)
 """
 
@@ -110,17 +110,14 @@ class Reply:
 
 
 class RolloutEngine(Protocol):
+    sampler_logp: bool  # the log-probs continue_ids returns are the trainer's own (hf fp32): the old log-probs
+
     def sync(self, model) -> None:
-        """Make the next generate/greedy sample from `model`'s current weights (adapter included)."""
+        """Make the next continue_ids/greedy/sample draw from `model`'s current weights (adapter included)."""
 
     def release(self) -> None:
         """Generation is over: free what the engine holds that the old/ref forwards and the update could use
         (vLLM sleep on CUDA)."""
-
-    def generate(self, messages: list[list[dict[str, str]]], *, group_size: int, seed: int,
-                 first_prompt: int = 0) -> Rollout:
-        """group_size completions per prompt, noise keyed by (seed, first_prompt + b, g); logp_old and
-        entropy filled when the engine has the sampling logits, logp_ref None."""
 
     def greedy(self, messages: list[list[dict[str, str]]], max_new_tokens: int) -> tuple[list[str], int]:
         """One greedy completion per prompt: (texts, number cut at max_new_tokens)."""
@@ -129,7 +126,8 @@ class RolloutEngine(Protocol):
                      greedy: bool = False, group_size: int = 1) -> list[Reply]:
         """Token-in/token-out: one reply per context of exact token ids (no chat template), noise keyed
         by keys (greedy: argmax); contexts come in runs of group_size equal ones (an engine may share
-        their prefill). Multi-turn episodes (rollout/episodes.py) are made of these."""
+        their prefill). Every training rollout is made of these (rollout/episodes.py: a single-turn task's
+        episodes have one turn)."""
 
     def episodes(self) -> AbstractContextManager:
         """The continue_ids calls of one rollout's episodes happen inside this (weights unchanged): an
@@ -137,7 +135,7 @@ class RolloutEngine(Protocol):
 
     def sample(self, messages: list[list[dict[str, str]]], *, k: int, seed: int, first_prompt: int,
                sampling: Sampling) -> tuple[list[str], int]:
-        """k completions per prompt drawn with `sampling`, keyed like generate (sampled eval): (texts
+        """k completions per prompt drawn with `sampling`, keyed like a rollout's first turn (sampled eval): (texts
         prompt-major, number cut at max_new_tokens)."""
 
 

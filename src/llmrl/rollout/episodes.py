@@ -10,11 +10,14 @@ on padding, so every log-prob, KL, loss aggregation and token count downstream s
 
     check_template(tokenizer, eos_text)      at start-up: the template must be prefix-preserving
     run_episodes(engine, env, ...)           G episodes per example → (Rollout, episodes)
+
+A single-turn task is the one-turn case (`OneTurn`): its rows are made here too, by the same code.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +27,7 @@ from llmrl.rollout.base import Rollout, Sampling
 from llmrl.rollout.keyed import mix
 from llmrl.rollout.prompts import render
 from llmrl.tasks.base import Example
-from llmrl.tasks.env import Episode, Turn
+from llmrl.tasks.env import Episode, OneTurn, Turn
 
 PLACEHOLDER = "LLMRL-REPLY-7f3a"  # a reply text no template rewrites
 TRUNCATED = " …[truncated]"
@@ -100,10 +103,12 @@ def env_step(env, episode: Episode, reply: str, timeout: float) -> Turn:
 
 
 def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size: int, seed: int, first_prompt: int,
-                 sampling: Sampling, limits: Limits, eos: list[int], greedy: bool = False) -> tuple[Rollout, list[Episode]]:
+                 sampling: Sampling, limits: Limits, eos: list[int], greedy: bool = False,
+                 device: torch.device | str = "cpu") -> tuple[Rollout, list[Episode]]:
     """group_size episodes per example (prompt-major), every turn of every live episode in one engine
-    call; sampling noise keyed by (seed, first_prompt + b, g, turn). Returns the rows as a Rollout
-    (logp_old None: the trainer scores them; engine_logp when the engine gave log-probs for every
+    call; sampling noise keyed by (seed, first_prompt + b, g, turn) (turn 0: that of a single-turn
+    completion). Returns the rows as a Rollout on `device` (the trainer's; logp_old None: the trainer
+    scores them, except hf's sampler log-probs; engine_logp when the engine gave log-probs for every
     reply) and the episodes."""
     end_text = tokenizer.decode([eos[0]]) if eos else tokenizer.eos_token
     episodes, contexts, prompts, tails = [], [], [], []
@@ -122,7 +127,8 @@ def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size:
             tails.append([])  # (token ids, sampled?, engine log-probs, engine entropies (or None)) segments
     keys = [mix(seed, first_prompt + b, g) for b in range(len(examples)) for g in range(group_size)]
     spent = [0] * len(episodes)
-    with engine.episodes():  # hf: each episode's KV cache carries over to its next turn
+    # hf: each episode's KV cache carries over to its next turn (one turn: nothing to carry)
+    with engine.episodes() if limits.max_turns > 1 else contextlib.nullcontext():
         for turn in range(limits.max_turns):
             live = [i for i, ep in enumerate(episodes) if not ep.done and ep.cut is None]
             if not live:
@@ -143,7 +149,8 @@ def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size:
                 if not ended:
                     ep.cut = "reply_tokens" if spent[i] < limits.episode_tokens else "episode_tokens"
                     continue
-                out = env_step(env, ep, text, limits.env_timeout)
+                # a single-turn task has no step to run (nor a thread to start per row)
+                out = Turn(None) if isinstance(env, OneTurn) else env_step(env, ep, text, limits.env_timeout)
                 for name, v in out.parts.items():
                     ep.parts[name] = ep.parts.get(name, 0.0) + v
                 ep.tool_calls += out.tool_calls
@@ -168,8 +175,8 @@ def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size:
                 contexts[i] += delta
                 ep.env_tokens += len(delta)
                 ep.messages += new
-    rows = to_rows(prompts, tails, episodes, tokenizer.pad_token_id, truncated)
-    if getattr(engine, "sampler_logp", False):  # hf: the sampler's fp32 logits are the policy's, as in generate
+    rows = to_rows(prompts, tails, episodes, tokenizer.pad_token_id, truncated, device)
+    if engine.sampler_logp:  # hf: the sampler's fp32 logits are the policy's (no second forward)
         rows.logp_old, rows.engine_logp = rows.engine_logp, None
     return rows, episodes
 
@@ -178,9 +185,10 @@ Segment = tuple[list[int], bool, list[float] | None, list[float] | None]  # ids,
 
 
 def to_rows(prompts: list[list[int]], tails: list[list[Segment]], episodes: list[Episode], pad_id: int,
-            truncated: int) -> Rollout:
-    """Episodes as one Rollout: prompts left-padded to P, trajectories right-padded to T; mask 1 on
-    sampled tokens (column P+j−1 scores tail token j); engine_logp (and entropy) where every reply has them."""
+            truncated: int, device: torch.device | str = "cpu") -> Rollout:
+    """Episodes as one Rollout on `device`: prompts left-padded to P, trajectories right-padded to T; mask
+    1 on sampled tokens (column P+j−1 scores tail token j); engine_logp (and entropy) where every reply
+    has them."""
     n = len(prompts)
     p = max(len(x) for x in prompts)
     t = max(1, max(sum(len(seg[0]) for seg in tail) for tail in tails))
@@ -204,9 +212,13 @@ def to_rows(prompts: list[list[int]], tails: list[list[Segment]], episodes: list
             col += len(ids)
     ended = torch.tensor([ep.cut is None for ep in episodes])
     texts = [ep.last_reply for ep in episodes]
-    return Rollout(input_ids=input_ids, attention_mask=attention, completion_mask=mask, logp_old=None, logp_ref=None,
-                   ended=ended, prompt_len=p, texts=texts, prompts_truncated=truncated, engine_logp=per_token[0],
-                   entropy=per_token[1])
+
+    def on(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x.to(device)
+
+    return Rollout(input_ids=on(input_ids), attention_mask=on(attention), completion_mask=on(mask), logp_old=None,
+                   logp_ref=None, ended=on(ended), prompt_len=p, texts=texts, prompts_truncated=truncated,
+                   engine_logp=on(per_token[0]), entropy=on(per_token[1]))
 
 
 @dataclass
@@ -217,20 +229,39 @@ class EpisodeRunner:
     tokenizer: object
     limits: Limits
     eos: list[int]
+    device: torch.device | str = "cpu"  # where the rows go (the trainer's device)
 
     def __call__(self, engine, examples: list[Example], *, group_size: int, seed: int, first_prompt: int,
                  sampling: Sampling, greedy: bool = False) -> tuple[Rollout, list[Episode]]:
         return run_episodes(engine, self.env, self.tokenizer, examples, group_size=group_size, seed=seed,
-                            first_prompt=first_prompt, sampling=sampling, limits=self.limits, eos=self.eos, greedy=greedy)
+                            first_prompt=first_prompt, sampling=sampling, limits=self.limits, eos=self.eos,
+                            greedy=greedy, device=self.device)
 
 
-def episode_runner(cfg, env, tokenizer, eos: list[int]) -> EpisodeRunner:
-    """The runner of a config's environment; checks the chat template first (one ConfigError line)."""
-    turns = cfg.max_turns or env.max_turns
-    limits = Limits(max_turns=turns, episode_tokens=cfg.episode_tokens or turns * cfg.max_new_tokens,
-                    reply_tokens=cfg.max_new_tokens, env_tokens=cfg.max_env_tokens, env_timeout=cfg.env_timeout)
-    check_template(tokenizer, tokenizer.decode([eos[0]]) if eos else tokenizer.eos_token)
-    return EpisodeRunner(env, tokenizer, limits, eos)
+def episode_runner(cfg, env, tokenizer, eos: list[int], device: torch.device | str = "cpu") -> EpisodeRunner:
+    """The runner of a config's environment (a single-turn task: `OneTurn(task)`, one reply of at most
+    max_new_tokens); checks the chat template first for more than one turn (one ConfigError line)."""
+    if isinstance(env, OneTurn):
+        turns, budget = 1, cfg.max_new_tokens
+    else:
+        turns = cfg.max_turns or env.max_turns
+        budget = cfg.episode_tokens or turns * cfg.max_new_tokens
+    limits = Limits(max_turns=turns, episode_tokens=budget, reply_tokens=cfg.max_new_tokens,
+                    env_tokens=cfg.max_env_tokens, env_timeout=cfg.env_timeout)
+    if turns > 1:
+        check_template(tokenizer, tokenizer.decode([eos[0]]) if eos else tokenizer.eos_token)
+    return EpisodeRunner(env, tokenizer, limits, eos, device)
+
+
+def one_turn(engine, tokenizer, messages: list[list[dict[str, str]]], *, group_size: int, seed: int,
+             sampling: Sampling, device: torch.device | str, first_prompt: int = 0) -> Rollout:
+    """group_size completions per prompt (prompt-major) on `device`, drawn exactly as a single-turn
+    training step draws them: one-turn episodes, noise keyed by (seed, first_prompt + b, g)."""
+    limits = Limits(max_turns=1, episode_tokens=sampling.max_new_tokens, reply_tokens=sampling.max_new_tokens,
+                    env_tokens=0, env_timeout=60.0)
+    examples = [Example(messages=m, answer=None) for m in messages]
+    return run_episodes(engine, OneTurn(None), tokenizer, examples, group_size=group_size, seed=seed,
+                        first_prompt=first_prompt, sampling=sampling, limits=limits, eos=[], device=device)[0]
 
 
 def episode_counts(episodes: list[Episode]) -> dict[str, int]:

@@ -125,10 +125,10 @@ def keep_rows(cache: DynamicCache, sequences: torch.Tensor, input_mask: torch.Te
     width, held = input_mask.shape[1], cache.get_seq_length()
     kept = []
     for i, n in enumerate(lengths):
-        cols = torch.cat([input_mask[i].nonzero().squeeze(1).cpu(), torch.arange(width, width + max(0, min(n, held - width)))])
-        cols_d = cols.to(sequences.device)
-        kept.append(Kept(sequences[i, cols_d].tolist(),
-                         [(layer.keys[i].index_select(1, cols_d), layer.values[i].index_select(1, cols_d))
+        cols = torch.cat([input_mask[i].nonzero().squeeze(1),
+                          torch.arange(width, width + max(0, min(n, held - width)), device=input_mask.device)])
+        kept.append(Kept(sequences[i, cols].tolist(),
+                         [(layer.keys[i].index_select(1, cols), layer.values[i].index_select(1, cols))
                           for layer in cache.layers]))
     return kept
 
@@ -195,10 +195,6 @@ class HFEngine:
     def _config(self, **kw) -> GenerationConfig:
         return greedy_config(self.tokenizer, eos_ids(self.model, self.tokenizer), **kw)
 
-    def generate(self, messages: list[list[dict[str, str]]], *, group_size: int, seed: int,
-                 first_prompt: int = 0) -> Rollout:
-        return self._draw(messages, group_size, seed, first_prompt, self.sampling, with_logits=self.sampler_logp)
-
     def sample(self, messages: list[list[dict[str, str]]], *, k: int, seed: int, first_prompt: int,
                sampling: Sampling) -> tuple[list[str], int]:
         """k sampled completions per prompt with `sampling` (eval's), eval_batch_size prompts at a time:
@@ -206,13 +202,14 @@ class HFEngine:
         texts: list[str] = []
         truncated = 0
         for i in range(0, len(messages), self.eval_batch_size):
-            r = self._draw(messages[i : i + self.eval_batch_size], k, seed, first_prompt + i, sampling, with_logits=False)
+            r = self._draw(messages[i : i + self.eval_batch_size], k, seed, first_prompt + i, sampling)
             texts += r.texts
             truncated += int((~r.ended).sum())
         return texts, truncated
 
     def _draw(self, messages: list[list[dict[str, str]]], group_size: int, seed: int, first_prompt: int,
-              s: Sampling, with_logits: bool) -> Rollout:
+              s: Sampling) -> Rollout:
+        """Sampled eval's completions (texts and ended are what it reads)."""
         model = self.model
         device = next(model.parameters()).device
         config = self._config(repetition_penalty=s.repetition_penalty, min_new_tokens=s.min_new_tokens,
@@ -222,25 +219,20 @@ class HFEngine:
         keys = [mix(seed, first_prompt + b, g) for b in range(len(messages)) for g in range(group_size)]
         sampler = KeyedSampler(keys, prompt_len, s.temperature, s.top_p, s.top_k)
         with inference_mode(model), merged_lora(model, self.merge_lora):  # no LoRA dropout while sampling
-            sequences, logits, _ = generate(model, prompt_ids, prompt_mask, group_size, config, sampler,
-                                            with_logits=with_logits)  # [N, L], T × [N, V]
+            sequences, _, _ = generate(model, prompt_ids, prompt_mask, group_size, config, sampler)  # [N, L]
         attention = torch.ones_like(sequences)
         attention[:, :prompt_len] = prompt_mask.repeat_interleave(group_size, 0)
         mask, ended = completion_mask(sequences, prompt_len, config.eos_token_id)
-        logp_old = entropy = None
-        if logits is not None:
-            logp_old, entropy = sampler_logprobs(logits, sequences, prompt_len)
-            del logits
         texts = decode_completions(self.tokenizer, sequences[:, prompt_len:], mask.sum(1), ended)
         return Rollout(
-            input_ids=sequences, attention_mask=attention, completion_mask=mask, logp_old=logp_old, logp_ref=None,
-            ended=ended, prompt_len=prompt_len, texts=texts, prompts_truncated=truncated, entropy=entropy,
+            input_ids=sequences, attention_mask=attention, completion_mask=mask, logp_old=None, logp_ref=None,
+            ended=ended, prompt_len=prompt_len, texts=texts, prompts_truncated=truncated,
         )
 
     def continue_ids(self, contexts: list[list[int]], keys: list[int], s: Sampling, max_new_tokens: int,
                      greedy: bool = False, group_size: int = 1) -> list[Reply]:
-        """Token-in/token-out (multi-turn): one reply to each context of exact token ids, drawn with `s`
-        and noise keyed by `keys` (greedy: argmax, keys unused). The sampler's raw logits give each
+        """Token-in/token-out (each turn of every training rollout): one reply to each context of exact
+        token ids, drawn with `s` and noise keyed by `keys` (greedy: argmax, keys unused). The sampler's raw logits give each
         reply token's log-prob where `sampler_logp` holds (the trainer's full forward matches them).
         group_size: consecutive runs of that many equal contexts (an episode's first turn) are
         prefilled once each, as `generate` does for a group."""

@@ -2,8 +2,9 @@
 
     sync(model)        the policy's LoRA weights are written to a fresh adapter directory and the next
                        requests carry a LoRARequest with a new id (the previous adapter is dropped)
-    generate(...)      one request per completion, each with its own seed mix(seed, global prompt, g):
-                       a completion does not depend on which other requests share the batch
+    continue_ids(...)  one request per context of token ids (a rollout's turn: rollout/episodes.py), each
+                       with its own seed mix(seed, global prompt, g[, turn]): a completion does not depend
+                       on which other requests share the batch
     greedy / sample    eval, with the same adapter
 
 Why LoRA and not merged weights (measured on an Intel Xeon, 2 cores, fp32, 16 × 24 tokens): vLLM's
@@ -29,11 +30,10 @@ from pathlib import Path
 
 import torch
 
-from llmrl.algorithms.core import completion_mask
 from llmrl.errors import ConfigError
-from llmrl.rollout.base import Reply, Rollout, Sampling
+from llmrl.rollout.base import Reply, Sampling
 from llmrl.rollout.keyed import mix
-from llmrl.rollout.prompts import decode_completions, encode_prompts, eos_ids
+from llmrl.rollout.prompts import encode_prompts, eos_ids
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM's max_lora_rank accepts
 
@@ -78,6 +78,8 @@ def import_vllm():
 
 class VLLMEngine:
     """Rollouts and eval on an in-process vLLM `LLM` that samples the policy through its LoRA adapter."""
+
+    sampler_logp = False  # vLLM's log-probs go to engine_logp; the trainer computes the old ones
 
     def __init__(self, tokenizer, sampling: Sampling, *, model_path: str, device: torch.device, dtype: torch.dtype,
                  lora_r: int, seed: int, eval_max_new_tokens: int, memory: float, sleep: bool, max_sequences: int):
@@ -136,14 +138,13 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------------- requests
 
-    def _run(self, messages: list[list[dict[str, str]]], n: int, params: list) -> tuple[torch.Tensor, torch.Tensor, list, int]:
-        """Prompts left-padded (ids [B, P], mask [B, P]), the request outputs (prompt-major, n per prompt)
-        and the number of prompts cut to max_prompt_tokens."""
-        ids, mask, truncated = encode_prompts(self.tokenizer, messages, self.sampling.max_prompt_tokens, torch.device("cpu"))
+    def _run(self, messages: list[list[dict[str, str]]], n: int, params: list) -> list:
+        """The request outputs of the prompts (prompt-major, n per prompt), cut to max_prompt_tokens."""
+        ids, mask, _ = encode_prompts(self.tokenizer, messages, self.sampling.max_prompt_tokens, torch.device("cpu"))
         prompts = [self._prompt(prompt_token_ids=row[m.bool()].tolist()) for row, m in zip(ids, mask)]
         requests = [p for p in prompts for _ in range(n)]
         outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.request)
-        return ids, mask, [o.outputs[0] for o in outputs], truncated
+        return [o.outputs[0] for o in outputs]
 
     def _sampling_params(self, s: Sampling, keys: list[int], logprobs: bool) -> list:
         return [self._params(n=1, seed=seed_of(k), temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or -1,
@@ -152,21 +153,10 @@ class VLLMEngine:
                              skip_special_tokens=True)
                 for k in keys]
 
-    def _draw(self, messages, group_size: int, seed: int, first_prompt: int, s: Sampling, logprobs: bool) -> Rollout:
-        keys = [mix(seed, first_prompt + b, g) for b in range(len(messages)) for g in range(group_size)]
-        ids, mask, outs, truncated = self._run(messages, group_size, self._sampling_params(s, keys, logprobs))
-        r = to_rollout(ids, mask, outs, group_size, self.tokenizer, self.eos, self.device, logprobs)
-        r.prompts_truncated = truncated
-        return r
-
-    def generate(self, messages: list[list[dict[str, str]]], *, group_size: int, seed: int,
-                 first_prompt: int = 0) -> Rollout:
-        return self._draw(messages, group_size, seed, first_prompt, self.sampling, logprobs=True)
-
     def sample(self, messages: list[list[dict[str, str]]], *, k: int, seed: int, first_prompt: int,
                sampling: Sampling) -> tuple[list[str], int]:
-        r = self._draw(messages, k, seed, first_prompt, sampling, logprobs=False)
-        return r.texts, int((~r.ended).sum())
+        keys = [mix(seed, first_prompt + b, g) for b in range(len(messages)) for g in range(k)]
+        return texts_of(self._run(messages, k, self._sampling_params(sampling, keys, logprobs=False)), self.tokenizer, self.eos)
 
     def episodes(self):
         """Nothing kept between an episode's turns: each turn prefills its context (prefix caching is off,
@@ -175,7 +165,7 @@ class VLLMEngine:
 
     def continue_ids(self, contexts: list[list[int]], keys: list[int], s: Sampling, max_new_tokens: int,
                      greedy: bool = False, group_size: int = 1) -> list[Reply]:
-        """Token-in/token-out (multi-turn): one request per context of exact token ids, seeded by its key;
+        """Token-in/token-out (each turn of every training rollout): one request per context of exact token ids, seeded by its key;
         vLLM's raw log-prob of each reply token comes back with it."""
         if greedy:
             params = [self._params(n=1, temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=self.eos,
@@ -195,9 +185,7 @@ class VLLMEngine:
     def greedy(self, messages: list[list[dict[str, str]]], max_new_tokens: int) -> tuple[list[str], int]:
         params = self._params(n=1, temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=self.eos,
                               skip_special_tokens=True)
-        ids, mask, outs, _ = self._run(messages, 1, [params] * len(messages))
-        r = to_rollout(ids, mask, outs, 1, self.tokenizer, self.eos, torch.device("cpu"), logprobs=False)
-        return r.texts, int((~r.ended).sum())
+        return texts_of(self._run(messages, 1, [params] * len(messages)), self.tokenizer, self.eos)
 
 
 def kv_cache_bytes(model_path: str, sequences: int, max_len: int, dtype: torch.dtype) -> int:
@@ -212,29 +200,12 @@ def kv_cache_bytes(model_path: str, sequences: int, max_len: int, dtype: torch.d
     return max(64 << 20, sequences * (max_len + 16) * per_token)
 
 
-def to_rollout(ids: torch.Tensor, mask: torch.Tensor, outs: list, group_size: int, tokenizer, eos: list[int],
-               device: torch.device, logprobs: bool) -> Rollout:
-    """vLLM completions (prompt-major, group_size per prompt row of ids [B, P]) as a Rollout: the left-padded
-    prompt, the completion tokens (EOS included), padding after; engine_logp [N, L-1] holds each sampled
-    token's log-prob at the column that scores it (0 elsewhere)."""
-    prompt_len = ids.shape[1]
-    tokens = [list(o.token_ids) for o in outs]
-    width = max(1, max(len(t) for t in tokens))
-    n = len(outs)
-    seq = torch.full((n, prompt_len + width), tokenizer.pad_token_id, dtype=torch.long)
-    seq[:, :prompt_len] = ids.repeat_interleave(group_size, 0)
-    engine_logp = torch.zeros(n, prompt_len + width - 1) if logprobs else None
-    for i, (t, o) in enumerate(zip(tokens, outs)):
-        seq[i, prompt_len : prompt_len + len(t)] = torch.tensor(t, dtype=torch.long)
-        if logprobs:
-            engine_logp[i, prompt_len - 1 : prompt_len - 1 + len(t)] = torch.tensor(
-                [step[tok].logprob for step, tok in zip(o.logprobs, t)])
-    attention = torch.ones_like(seq)
-    attention[:, :prompt_len] = mask.repeat_interleave(group_size, 0)
-    cmask, ended = completion_mask(seq, prompt_len, eos)
-    texts = decode_completions(tokenizer, seq[:, prompt_len:], cmask.sum(1), ended)
-    return Rollout(
-        input_ids=seq.to(device), attention_mask=attention.to(device), completion_mask=cmask.to(device), logp_old=None,
-        logp_ref=None, ended=ended.to(device), prompt_len=prompt_len, texts=texts, prompts_truncated=0,
-        engine_logp=None if engine_logp is None else (engine_logp * cmask).to(device),
-    )
+def texts_of(outs: list, tokenizer, eos: list[int]) -> tuple[list[str], int]:
+    """vLLM completions as (texts without their EOS, how many were cut at max_tokens: no EOS)."""
+    texts, cut = [], 0
+    for o in outs:
+        ids = list(o.token_ids)
+        end = next((j for j, t in enumerate(ids) if t in eos), None)
+        cut += end is None
+        texts.append(tokenizer.decode(ids if end is None else ids[:end], skip_special_tokens=True))
+    return texts, cut

@@ -139,3 +139,23 @@ def call_tool(tools: dict[str, Callable[[str], Any]], name: str, argument: str) 
         return str(tools[name](argument)), True
     except Exception as e:  # noqa: BLE001 - a tool may fail on any argument the policy writes
         return f"error: {type(e).__name__}: {e}"[:200], False
+
+
+class OneTurn:
+    """A single-turn task as the one-turn case of an environment: its prompt, one reply, over. The
+    rollout of every task goes through run_episodes with this; the reply is scored by the task's own
+    `reward` on the text (training/step.py), as before there were environments."""
+
+    max_turns = 1
+
+    def __init__(self, task) -> None:
+        self.task = task
+
+    def reset(self, example: Example) -> list[dict[str, str]]:
+        return example.messages
+
+    def start(self, episode: Episode) -> None:
+        pass
+
+    def step(self, episode: Episode, reply: str) -> Turn:
+        return Turn(None)

@@ -44,6 +44,7 @@ from llmrl.rollout.keyed import mix
 from llmrl.rollout.prompts import eos_ids
 from llmrl.run_files import CONFIG, DATA_REPORT, RUN_FILES
 from llmrl.tasks import Task, is_environment, task_from_config
+from llmrl.tasks.env import OneTurn
 from llmrl.training import hooks
 from llmrl.training.cpu_speed import keep_heap_memory, use_hash_dropout
 from llmrl.training.distributed import Dist, init_distributed
@@ -84,7 +85,7 @@ class Run:
     resumed_from: Path | None
     totals: Totals = field(default_factory=Totals)
     health: Health = field(default_factory=Health)
-    episodes: EpisodeRunner | None = None  # multi-turn environments: how their episodes run
+    episodes: EpisodeRunner | None = None  # how the task's episodes run (a single-turn task: one-turn episodes)
 
     @property
     def eval_n(self) -> int:
@@ -226,9 +227,11 @@ def setup_run(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -
                health=health, episodes=environment_runner(cfg, task, model, tokenizer))
 
 
-def environment_runner(cfg: TrainConfig, task: Task, model, tokenizer) -> EpisodeRunner | None:
-    """The episode runner of a multi-turn environment (its chat-template check included), else None."""
-    return episode_runner(cfg, task, tokenizer, eos_ids(model, tokenizer)) if is_environment(task) else None
+def environment_runner(cfg: TrainConfig, task: Task, model, tokenizer) -> EpisodeRunner:
+    """The episode runner of the task: a multi-turn environment's (its chat-template check included), or
+    a single-turn task's one-turn episodes (`OneTurn`): every rollout is made by run_episodes."""
+    env = task if is_environment(task) else OneTurn(task)
+    return episode_runner(cfg, env, tokenizer, eos_ids(model, tokenizer), next(model.parameters()).device)
 
 
 def save(run: Run, step: int) -> Path | None:
@@ -270,7 +273,9 @@ def eval_policy(cfg: TrainConfig, model, tokenizer, task: Task, engine: RolloutE
     max_new = eval_max_new_tokens(cfg, task)
     sampling = Sampling(temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, top_k=0, repetition_penalty=1.0,
                         min_new_tokens=0, max_new_tokens=max_new, max_prompt_tokens=cfg.max_prompt_tokens)
-    if episodes is None and is_environment(task):
+    if not is_environment(task):  # single-turn eval: engine.greedy / engine.sample, eval_batch_size prompts at a time
+        episodes = None
+    elif episodes is None:
         episodes = environment_runner(cfg, task, model, tokenizer)
     if episodes is not None:  # eval replies get eval's token cap
         episodes = dataclasses.replace(episodes, limits=dataclasses.replace(episodes.limits, reply_tokens=max_new))

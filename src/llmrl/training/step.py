@@ -1,7 +1,8 @@
 """One RL step, `train_step(run, step) -> StepResult`:
 
     1. examples = task.sample_train_batch(B)              (the task's own seeded RNG)
-    2. rollout  = G completions per prompt (engine) + old/ref log-probs (add_logprobs)
+    2. rollout  = G episodes per prompt (run_episodes on the engine; one turn for a single-turn task)
+                  + old/ref log-probs (add_logprobs)
     3. rewards  = score(task, ...) [N] and their components (+ overlong / KL-in-reward terms;
                   dynamic_sampling refills groups with equal rewards)
     4. adv      = clamp(ADVANTAGE_ESTIMATORS[adv_estimator](rewards, G), ±adv_clip) [N]
@@ -35,7 +36,7 @@ from llmrl.rollout.base import concat_rollouts, select_rows
 from llmrl.rollout.episodes import episode_counts
 from llmrl.rollout.prompts import prompt_length
 from llmrl.tasks import Example, Reward, Task
-from llmrl.tasks.env import Episode
+from llmrl.tasks.env import Episode, is_environment
 from llmrl.tasks.score import score, score_episodes
 from llmrl.training import hooks
 from llmrl.training.run import Run
@@ -105,12 +106,10 @@ def sample_and_score(run: Run, step: int) -> Sampled:
         t0 = time.perf_counter()
         run.engine.sync(run.model)
         seed = step_seed(cfg.seed, step) + 7_777 * rounds
-        episodes = None
-        if run.episodes is not None:  # an environment: multi-turn episodes, token-in/token-out
-            out, episodes = run.episodes(run.engine, examples, group_size=g, seed=seed, first_prompt=first,
-                                         sampling=run.engine.sampling)
-        else:
-            out = run.engine.generate([ex.messages for ex in examples], group_size=g, seed=seed, first_prompt=first)
+        # token-in/token-out episodes (a single-turn task's have one turn), noise keyed (seed, prompt, g, turn)
+        out, episodes = run.episodes(run.engine, examples, group_size=g, seed=seed, first_prompt=first,
+                                     sampling=run.engine.sampling)
+        episodes = episodes if is_environment(run.task) else None  # single-turn: scored on the text, no transcript
         t1 = time.perf_counter()
         run.engine.release()  # vLLM on CUDA sleeps now: the old/ref forwards get its memory (sync wakes it)
         if cfg.old_logprobs == "engine":  # vLLM's own sampled-token log-probs are the behaviour policy
@@ -143,7 +142,7 @@ def sample_and_score(run: Run, step: int) -> Sampled:
     return Sampled([ex for grp in groups for ex in grp.owners],
                    concat_rollouts([grp.rollout for grp in groups], run.tokenizer.pad_token_id),
                    [r for grp in groups for r in grp.rewards], counts, seconds,
-                   None if run.episodes is None else [ep for grp in groups for ep in grp.episodes])
+                   None if not is_environment(run.task) else [ep for grp in groups for ep in grp.episodes])
 
 
 def add_counts(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
