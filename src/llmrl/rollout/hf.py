@@ -20,7 +20,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from llmrl.algorithms.core import completion_mask
 from llmrl.models.lora import merged_lora
 from llmrl.models.scoring import CACHE, inference_mode, position_ids, sampler_logprobs
-from llmrl.rollout.base import Reply, Rollout, Sampling
+from llmrl.rollout.base import Reply, Sampling
 from llmrl.rollout.keyed import KeyedSampler, mix
 from llmrl.rollout.prompts import decode_completions, encode_prompts, eos_ids
 
@@ -202,32 +202,26 @@ class HFEngine:
         texts: list[str] = []
         truncated = 0
         for i in range(0, len(messages), self.eval_batch_size):
-            r = self._draw(messages[i : i + self.eval_batch_size], k, seed, first_prompt + i, sampling)
-            texts += r.texts
-            truncated += int((~r.ended).sum())
+            part, cut = self._draw(messages[i : i + self.eval_batch_size], k, seed, first_prompt + i, sampling)
+            texts += part
+            truncated += cut
         return texts, truncated
 
     def _draw(self, messages: list[list[dict[str, str]]], group_size: int, seed: int, first_prompt: int,
-              s: Sampling) -> Rollout:
-        """Sampled eval's completions (texts and ended are what it reads)."""
+              s: Sampling) -> tuple[list[str], int]:
+        """group_size keyed completions per prompt: (texts prompt-major, number cut at max_new_tokens)."""
         model = self.model
         device = next(model.parameters()).device
         config = self._config(repetition_penalty=s.repetition_penalty, min_new_tokens=s.min_new_tokens,
                               max_new_tokens=s.max_new_tokens)
-        prompt_ids, prompt_mask, truncated = encode_prompts(self.tokenizer, messages, s.max_prompt_tokens, device)
+        prompt_ids, prompt_mask, _ = encode_prompts(self.tokenizer, messages, s.max_prompt_tokens, device)
         prompt_len = prompt_ids.shape[1]
         keys = [mix(seed, first_prompt + b, g) for b in range(len(messages)) for g in range(group_size)]
         sampler = KeyedSampler(keys, prompt_len, s.temperature, s.top_p, s.top_k)
         with inference_mode(model), merged_lora(model, self.merge_lora):  # no LoRA dropout while sampling
             sequences, _, _ = generate(model, prompt_ids, prompt_mask, group_size, config, sampler)  # [N, L]
-        attention = torch.ones_like(sequences)
-        attention[:, :prompt_len] = prompt_mask.repeat_interleave(group_size, 0)
         mask, ended = completion_mask(sequences, prompt_len, config.eos_token_id)
-        texts = decode_completions(self.tokenizer, sequences[:, prompt_len:], mask.sum(1), ended)
-        return Rollout(
-            input_ids=sequences, attention_mask=attention, completion_mask=mask, logp_old=None, logp_ref=None,
-            ended=ended, prompt_len=prompt_len, texts=texts, prompts_truncated=truncated,
-        )
+        return decode_completions(self.tokenizer, sequences[:, prompt_len:], mask.sum(1), ended), int((~ended).sum())
 
     def continue_ids(self, contexts: list[list[int]], keys: list[int], s: Sampling, max_new_tokens: int,
                      greedy: bool = False, group_size: int = 1) -> list[Reply]:

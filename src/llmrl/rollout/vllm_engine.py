@@ -84,7 +84,7 @@ class VLLMEngine:
     def __init__(self, tokenizer, sampling: Sampling, *, model_path: str, device: torch.device, dtype: torch.dtype,
                  lora_r: int, seed: int, eval_max_new_tokens: int, memory: float, sleep: bool, max_sequences: int):
         LLM, self._params, self._lora, self._prompt = import_vllm()
-        self.tokenizer, self.sampling, self.device = tokenizer, sampling, device
+        self.tokenizer, self.sampling = tokenizer, sampling
         self.eos: list[int] = []  # the policy's EOS ids, known at the first sync
         rank = next((r for r in LORA_RANKS if r >= lora_r), None)
         if rank is None:
