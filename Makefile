@@ -34,7 +34,7 @@ vllm: $(VLLM_STAMP)
 
 # with the vllm engine installed (CI: VENV=.venv-vllm, beside the default .venv, whose transformers differs):
 # the tests that run vllm, and those of the code that leans on transformers' generate and cache internals
-VLLM_TESTS ?= tests/test_vllm.py tests/test_mismatch.py tests/test_gpu_check.py tests/test_config.py tests/test_env.py tests/test_speed_paths.py
+VLLM_TESTS ?= tests/test_vllm.py tests/test_vllm_server.py tests/test_mismatch.py tests/test_gpu_check.py tests/test_config.py tests/test_env.py tests/test_speed_paths.py
 test-vllm: $(VLLM_STAMP)
 	$(PY) -m pytest $(VLLM_TESTS)
 

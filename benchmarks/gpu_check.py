@@ -505,7 +505,7 @@ def probe_parity(run: str) -> dict:
     model, tokenizer, _ = build_policy(cfg, plan)
     set_peft_model_state_dict(model, load_file(latest_checkpoint(Path(run)) / "adapter_model.safetensors"))
     engine = make_engine(cfg, dataclasses.replace(plan, sampler_logp=True), tokenizer)
-    engine.sync(model)
+    engine.load(model, 0)
     examples = task_from_config(cfg).sample_train_batch(cfg.batch_size)
     g = cfg.group_size
     r = one_turn(engine, tokenizer, [ex.messages for ex in examples], group_size=g, seed=step_seed(cfg.seed, cfg.steps + 1),

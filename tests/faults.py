@@ -9,6 +9,8 @@ FAULT@N fires on the N-th occurrence in this process:
   kill_in_log      SIGKILL after writing half of the N-th metrics line
   enospc_in_save   the N-th checkpoint save fails with "No space left on device"
   slow_rollout     every rollout first sleeps one second (N unused)
+  kill_server      SIGKILL to the vLLM server process (vllm-server engine; not its engine processes) at the start of
+                   the N-th rollout
   replies_end      every hf reply ends with EOS at its N-th token (the random tiny model never picks EOS:
                    multi-turn episodes then reach their environment)
 FAULT@N%R fires only in the process whose RANK is R (under torchrun).
@@ -31,6 +33,21 @@ from llmrl.training import hooks
 
 def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_servers() -> None:
+    """SIGKILL every vLLM server this process started (only the server: what became of its engine processes is
+    for the trainer to clean up)."""
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and b"vllm.entrypoints.openai.api_server" in cmdline:
+            os.kill(int(entry), signal.SIGKILL)
 
 
 def inject(fault: str, n: int) -> None:
@@ -67,6 +84,8 @@ def inject(fault: str, n: int) -> None:
             return real_append(self, file, rows)
 
         llmrl.logger.RunLogger._append = _append
+    elif fault == "kill_server":
+        hooks.on("before_rollout", lambda **info: kill_servers() if hit() else None)
     elif fault == "slow_rollout":
         hooks.on("before_rollout", lambda **info: time.sleep(1.0))
     elif fault == "replies_end":

@@ -142,3 +142,27 @@ def test_gpu_plan(monkeypatch):
     # fp32 products: both layouts agree to ~1e-6, the shared prefix stays on for scoring
     plan = resolve(load_config(None, {"device": "cuda", "dtype": "float32", "gradient_checkpointing": True}))
     assert plan.shared_prefix_scoring and not plan.shared_prefix_update
+
+
+def test_async_and_server_rules(monkeypatch):
+    """max_staleness needs the server engine (the in-process engines sample the weights the update changes)
+    and no dynamic sampling, and makes the old log-probs the engine's (the behaviour policy) without being
+    told; vllm-server is single-process, vllm runs an engine per rank."""
+    from llmrl.config import resolve
+    from llmrl.errors import ConfigError
+
+    for bad, message in [({"max_staleness": 1}, "needs rollout_engine=vllm-server"),
+                         ({"rollout_engine": "vllm", "max_staleness": 2}, "needs rollout_engine=vllm-server"),
+                         ({"rollout_engine": "vllm-server", "max_staleness": -1}, "must be 0"),
+                         ({"rollout_engine": "vllm-server", "max_staleness": 1, "dynamic_sampling": True},
+                          "does not combine with dynamic_sampling"),
+                         ({"server_url": "http://127.0.0.1:8000"}, "needs rollout_engine=vllm-server")]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, bad)
+    cfg = load_config(None, {"rollout_engine": "vllm-server", "max_staleness": 1, "device": "cpu"})
+    assert cfg.old_logprobs == "trainer" and resolve(cfg).engine_old
+    assert not resolve(load_config(None, {"rollout_engine": "vllm-server", "device": "cpu"})).engine_old
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="vllm-server is single-process"):
+        load_config(None, {"rollout_engine": "vllm-server", "batch_size": 2, "minibatch_size": 6})
+    load_config(None, {"rollout_engine": "vllm", "batch_size": 2, "minibatch_size": 6})

@@ -57,7 +57,7 @@ def play(model, tok, monkeypatch, examples, group_size=3, limits=None, env=None,
 
     monkeypatch.setattr(hf, "KeyedSampler", stop_after(4, tok.eos_token_id, spread))
     engine = HFEngine(tok, SAMPLING, eval_batch_size=8, merge_lora=False, sampler_logp=True)
-    engine.sync(model)
+    engine.load(model, 0)
     limits = limits or Limits(max_turns=3, episode_tokens=15, reply_tokens=5, env_tokens=50, env_timeout=30)
     return run_episodes(engine, env or ScriptEnv(), tok, examples, group_size=group_size, seed=5, first_prompt=0,
                         sampling=SAMPLING, limits=limits, eos=[tok.eos_token_id])
@@ -145,7 +145,7 @@ def test_a_single_turn_rollout_is_the_one_turn_episode_with_the_rows_of_one_gene
     # the longest prompt is cut to the middle one's length; min_new_tokens 1 holds EOS back at the first token
     sampling = dataclasses.replace(SAMPLING, min_new_tokens=1, max_prompt_tokens=sorted(lengths)[1])
     engine = HFEngine(tok, sampling, eval_batch_size=8, merge_lora=False, sampler_logp=True)
-    engine.sync(model)
+    engine.load(model, 0)
     r = one_turn(engine, tok, messages, group_size=3, seed=1, first_prompt=4, sampling=sampling, device="cpu")
 
     ids, mask, truncated = encode_prompts(tok, messages, sampling.max_prompt_tokens, torch.device("cpu"))

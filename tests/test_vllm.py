@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 pytest.importorskip("vllm", reason="the vllm engine is not installed (make vllm)")
 
@@ -62,7 +63,7 @@ def test_greedy_equals_the_hf_policy_after_sync_and_a_stale_engine_is_caught(vll
     messages = [ex.messages for ex in CharTask(seed=0).eval_examples(7)]
 
     def both():
-        hf.sync(model)
+        hf.load(model, 0)
         return engine.greedy(messages, 8)[0], hf.greedy(messages, 8)[0]
 
     def logprob_gap():
@@ -72,7 +73,7 @@ def test_greedy_equals_the_hf_policy_after_sync_and_a_stale_engine_is_caught(vll
         return ((r.logp_old - engine_logp).abs() * r.completion_mask).max().item()
 
     perturb_lora(model, 1)
-    engine.sync(model)
+    engine.load(model, 1)
     v1, h1 = both()
     assert v1 == h1
     fresh = logprob_gap()
@@ -84,8 +85,10 @@ def test_greedy_equals_the_hf_policy_after_sync_and_a_stale_engine_is_caught(vll
     assert v2 == v1 and v2 != h2  # a stale engine: its outputs did not follow the adapter
     # rollout/engine_logprob_diff exposes it: far above the synced engine's own gap in any precision
     assert logprob_gap() > max(0.05, 10 * fresh)
+    engine.load(model, 1)  # the version it holds: nothing is transferred (a version number names the weights)
+    assert both()[0] == v1
 
-    engine.sync(model)
+    engine.load(model, 2)
     v3, h3 = both()
     assert v3 == h3 == h2
     assert logprob_gap() < 1e-3
@@ -156,7 +159,7 @@ def test_vllm_continues_exact_token_ids_and_its_logprobs_match_the_trainer(vllm_
     model, tok, _ = build_policy(cfg, plan)
     perturb_lora(model, 3)
     engine = make_engine(cfg, plan, tok)
-    engine.sync(model)
+    engine.load(model, 1)
     prompts = [render(tok, [{"role": "user", "content": text}]) for text in ("Hi.", "Write a longer line, please.")]
     contexts = [p for p in prompts for _ in range(2)]
     deltas = [tok(text, add_special_tokens=False)["input_ids"]
@@ -193,10 +196,29 @@ def test_vllm_prefills_a_batch_over_4096_tokens_without_splitting_it(vllm_model_
     plan = resolve(cfg)
     model, tok, _ = build_policy(cfg, plan)
     engine = make_engine(cfg, plan, tok)
-    engine.sync(model)
+    engine.load(model, 1)
     g = torch.Generator().manual_seed(7)
     contexts = [torch.randint(10, 200, (75,), generator=g).tolist() for _ in range(60)]
     replies = engine.continue_ids(contexts, list(range(100, 160)), engine.sampling, 3)
     assert [len(r.ids) for r in replies] == [3] * 60
     for i in (0, 31, 59):
         assert engine.continue_ids([contexts[i]], [100 + i], engine.sampling, 3)[0].ids == replies[i].ids
+
+
+def test_two_ranks_each_with_its_own_vllm_engine_equal_one(tmp_path, vllm_model_dir):
+    """--nproc 2 with the vllm engine: an engine per rank (vLLM's external launcher on the trainer's
+    process group), each sampling its own prompt of the 2; every completion is keyed by (seed, step,
+    global prompt, g), so the two ranks draw what one process draws, and the adapters end within 1e-5
+    (the tolerance of the hf two-process test: lr 1e-3, no dropout)."""
+    def run_args(out):
+        return vargs(vllm_model_dir, out, steps=3, lora_dropout=0, eval_n=3, lr="1e-3")
+
+    cli(*run_args(tmp_path / "one"))
+    p = cli(*run_args(tmp_path / "two"), "--nproc", "2")
+    assert "launching 2 processes" in p.stderr
+    one, two = read_jsonl(tmp_path / "one" / "samples.jsonl"), read_jsonl(tmp_path / "two" / "samples.jsonl")
+    assert len(one) == 3 * 6
+    assert [(r["step"], r["prompt"], r["completion"]) for r in two] == [(r["step"], r["prompt"], r["completion"]) for r in one]
+    a, b = (load_file(tmp_path / run / "checkpoints/step_000003/adapter_model.safetensors") for run in ("one", "two"))
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+    assert [r["step"] for r in read_jsonl(tmp_path / "two" / "metrics.jsonl")] == [0, 1, 1, 2, 2, 3, 3]  # each record once

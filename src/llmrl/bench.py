@@ -251,14 +251,21 @@ def child_main(argv: list[str] | None = None) -> int:
 
 # ---- the parent -----------------------------------------------------------------------------------
 
+# llmrl sides with another rollout engine: --rollout_engine vllm adds llmrl_vllm; vllm-server adds the
+# server engine synchronous and async (one step ahead), whose last step is run but not counted: it has no
+# next step to draw during its update, so it would be cheaper than every other async step
+ENGINE_SIDES = {"llmrl_vllm": {"rollout_engine": "vllm"}, "llmrl_server": {"rollout_engine": "vllm-server"},
+                "llmrl_server_async": {"rollout_engine": "vllm-server", "max_staleness": 1}}
+SIDES_OF_ENGINE = {"hf": [], "vllm": ["llmrl_vllm"], "vllm-server": ["llmrl_server", "llmrl_server_async"]}
+
+
 def run_side(side: str, values: dict[str, Any], out_dir: Path, quiet: bool = False) -> dict[str, Any]:
     """Run one side for values["steps"] RL steps in a fresh subprocess; return its JSON figures."""
     out_dir.mkdir(parents=True, exist_ok=True)
     values = {**values, "output_dir": str(out_dir / "run")}
     if side == "trl_checkpointing":  # TRL as it ships: GRPOConfig's default gradient checkpointing on
         values["gradient_checkpointing"] = True
-    if side == "llmrl_vllm":  # llmrl with its vllm rollout engine
-        values["rollout_engine"] = "vllm"
+    values |= ENGINE_SIDES.get(side, {})  # llmrl with another rollout engine
     if side.startswith("llmrl"):
         cmd = [sys.executable, "-m", "llmrl.bench", "--child", "llmrl", "--config_json", json.dumps(values)]
     else:
@@ -306,16 +313,17 @@ def run_bench(model: str | None = None, config: str | None = None, steps: int = 
               matmul_seconds: float = 2.0, num_threads: int | None = None,
               trl_checkpointing: bool = True, rollout_engine: str = "hf") -> dict[str, Any]:
     """Run the benchmark; return every figure as a JSON-ready dict. rollout_engine=vllm adds the side
-    `llmrl_vllm` (llmrl with the vllm engine) beside llmrl with hf and TRL."""
+    `llmrl_vllm` (llmrl with the vllm engine) beside llmrl with hf and TRL; vllm-server adds `llmrl_server`
+    and `llmrl_server_async` (max_staleness 1)."""
     if steps < 1:
         raise ConfigError(f"--steps {steps}: must be at least 1")
     rounds = split_steps(steps, alternate)
     if not no_trl and importlib.util.find_spec("trl") is None:
         raise ConfigError(TRL_MISSING)
-    if rollout_engine not in ("hf", "vllm"):
-        raise ConfigError(f"--rollout_engine {rollout_engine}: must be hf or vllm")
-    if rollout_engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ConfigError("--rollout_engine vllm: vLLM is not installed (make vllm on CPU, pip install -e \".[vllm]\" on CUDA)")
+    if rollout_engine not in SIDES_OF_ENGINE:
+        raise ConfigError(f"--rollout_engine {rollout_engine}: must be one of {', '.join(SIDES_OF_ENGINE)}")
+    if rollout_engine != "hf" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(f"--rollout_engine {rollout_engine}: vLLM is not installed (make vllm on CPU, pip install -e \".[vllm]\" on CUDA)")
     name, values = bench_values(config, model)
     if num_threads is not None:
         if num_threads < 0:
@@ -345,7 +353,7 @@ def run_bench(model: str | None = None, config: str | None = None, steps: int = 
         dtype, bf16_matmul, precision = pick_dtype(values.get("dtype", "auto"), pick_device(values.get("device", "auto")))
         bf16 = bf16_matmul or dtype == torch.bfloat16
         flops = bf16_rate(rates) if bf16 else fp32_rate(rates)  # the FLOP limit: the rate of llmrl's precision here
-        sides = ["llmrl"] + (["llmrl_vllm"] if rollout_engine == "vllm" else [])
+        sides = ["llmrl", *SIDES_OF_ENGINE[rollout_engine]]
         sides += [] if no_trl else ["trl"] + (["trl_checkpointing"] if trl_checkpointing else [])
         measured: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
         warm: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
@@ -355,11 +363,12 @@ def run_bench(model: str | None = None, config: str | None = None, steps: int = 
             for side in sides:
                 print(f"llmrl bench: round {k}/{len(rounds)}: {side}, {warmup} warm-up + {n} measured steps",
                       file=sys.stderr, flush=True)
-                r = run_side(side, child_values(values, warmup + n), root / f"round{k}-{side}")
-                if len(r["steps"]) < warmup + n:
-                    raise BenchFailed(f"the {side} side reported {len(r['steps'])} steps, expected {warmup + n}")
+                last = int(side.endswith("_async"))  # run, not counted
+                r = run_side(side, child_values(values, warmup + n + last), root / f"round{k}-{side}")
+                if len(r["steps"]) < warmup + n + last:
+                    raise BenchFailed(f"the {side} side reported {len(r['steps'])} steps, expected {warmup + n + last}")
                 warm[side] += r["steps"][:warmup]
-                measured[side] += drop_warmup(r["steps"], warmup)
+                measured[side] += drop_warmup(r["steps"][: warmup + n], warmup)
                 peak[side] = max(peak[side], r["max_rss_mb"])
                 n_params[side] = r["n_params"]
         result: dict[str, Any] = {
@@ -376,7 +385,7 @@ def run_bench(model: str | None = None, config: str | None = None, steps: int = 
         for side in sides:
             result[side] = summarize(measured[side], peak[side], n_params[side], values, flops)
             result[side]["warmup"] = warm[side]
-        for side in ("llmrl_vllm", "trl", "trl_checkpointing"):
+        for side in (*ENGINE_SIDES, "trl", "trl_checkpointing"):
             result.setdefault(side, None)
         # like for like: TRL with llmrl's settings, gradient checkpointing off on both sides
         result["speedup_vs_trl"] = result["trl"]["step_s"] / result["llmrl"]["step_s"] if result["trl"] else None
@@ -389,6 +398,8 @@ def run_bench(model: str | None = None, config: str | None = None, steps: int = 
 
         result["trl_differences"] = [] if no_trl else definition_differences(values)  # printed under the table
         result["vllm_vs_hf_step_ratio"] = v["step_s"] / result["llmrl"]["step_s"] if v else None  # > 1: vllm slower
+        a, b = result["llmrl_server"], result["llmrl_server_async"]
+        result["async_vs_sync_step_ratio"] = b["step_s"] / a["step_s"] if a and b else None  # < 1: overlap pays
         result["flop_limit_ratio"] = result["llmrl"]["flop_limit_ratio"]
         # the same ratio against torch.mm's rate (how this figure was computed before oneDNN was measured)
         result["flop_limit_ratio_torch_mm"] = result["flop_limit_ratio"] * rates["torch.mm"] / flops
@@ -441,11 +452,11 @@ def format_report(r: dict[str, Any]) -> str:
     lines = [f"llmrl bench: {r['config']}, {r['steps']} measured steps per side after {r['warmup_steps']} warm-up"
              f"{(' ' + per) if per else ''}{rounds}, {r['num_threads']} threads, matmul {r['matmul_gflops']:.1f} GFLOP/s"
              f" ({', '.join(f'{k} {v:.0f}' for k, v in r['matmul_gflops_by_kernel'].items())})",
-             f"{'side':<17} {'s/step':>8} {'rollout':>8} {'generate':>8} {'update':>8} {'tok/s':>8} {'peak MB':>8}"]
-    for side in ("llmrl", "llmrl_vllm", "trl", "trl_checkpointing"):
+             f"{'side':<19} {'s/step':>8} {'rollout':>8} {'generate':>8} {'update':>8} {'tok/s':>8} {'peak MB':>8}"]
+    for side in ("llmrl", *ENGINE_SIDES, "trl", "trl_checkpointing"):
         s = r.get(side)
         if s:
-            lines.append(f"{side:<17} {s['step_s']:8.2f} {s['rollout_s']:8.2f} {seconds_cell(s.get('generate_s'))} "
+            lines.append(f"{side:<19} {s['step_s']:8.2f} {s['rollout_s']:8.2f} {seconds_cell(s.get('generate_s'))} "
                          f"{s['update_s']:8.2f} {s['tokens_per_s']:8.1f} {s['peak_mb']:8.0f}")
     speed = f"{r['speedup_vs_trl']:.1f}x" if r["speedup_vs_trl"] is not None else "n/a (--no_trl)"
     if r.get("speedup_vs_trl_checkpointing") is not None:
@@ -458,6 +469,9 @@ def format_report(r: dict[str, Any]) -> str:
     if r.get("llmrl_vllm"):
         trl = f", {r['speedup_vllm_vs_trl']:.1f}x TRL" if r.get("speedup_vllm_vs_trl") else ""
         lines.append(f"llmrl_vllm: {r['vllm_vs_hf_step_ratio']:.2f}x llmrl (hf)'s s/step{trl}")
+    if r.get("async_vs_sync_step_ratio") is not None:
+        lines.append(f"llmrl_server_async (max_staleness 1): {r['async_vs_sync_step_ratio']:.2f}x llmrl_server's s/step "
+                     "(< 1: drawing step s+1 during step s's update pays)")
     s = r["llmrl"]
     lines.append(f"(limit: N={r['n_params'] / 1e6:.1f}M params, {r['n_params_counts']}; "
                  f"P={s['prompt_tokens_per_step']:.0f} prompt tokens/step, R={s['mean_completion_tokens']:.1f} "
@@ -501,8 +515,9 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--num_threads", type=int, metavar="N",
                    help="torch CPU threads for both sides and the matmul probe (default: the config's; 0 = torch's default)")
     p.add_argument("--matmul_seconds", type=float, default=2.0, help="how long to measure the fp32 matmul rate (default: 2)")
-    p.add_argument("--rollout_engine", default="hf", choices=["hf", "vllm"],
-                   help="vllm: also time llmrl with its vllm rollout engine (side llmrl_vllm) (default: hf)")
+    p.add_argument("--rollout_engine", default="hf", choices=list(SIDES_OF_ENGINE),
+                   help="vllm: also time llmrl with its vllm rollout engine (side llmrl_vllm); vllm-server: with the server "
+                        "engine, synchronous (llmrl_server) and async, max_staleness 1 (llmrl_server_async) (default: hf)")
     return p
 
 

@@ -91,6 +91,17 @@ def build_parser() -> argparse.ArgumentParser:
     gr.add_argument("--output", required=True, metavar="FILE", help="JSONL: each input line plus correct, extracted, gold_extracted, status")
     gr.add_argument("--time_limit", type=float, default=5.0, help="seconds per verdict before it counts as a timeout (default: 5)")
     gr.add_argument("--workers", type=int, default=2, help="grading processes (default: 2)")
+    sv = sub.add_parser("serve", help="run the vllm-server engine's server on its own (for --server_url)",
+                        description="Start `vllm serve` as llmrl's vllm-server engine would (runtime LoRA loading, raw "
+                                    "log-probs), in the foreground; train elsewhere with --rollout_engine vllm-server "
+                                    "--server_url http://HOST:PORT.")
+    sv.add_argument("--model", default="smollm2-135m-instruct", help="the base model (a hub id, a path, or an embedded name)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--lora_r", type=int, default=16, help="the largest LoRA rank a trainer will load (default: 16)")
+    sv.add_argument("--max_model_len", type=int, default=4096)
+    sv.add_argument("--seed", type=int, default=0)
+    sv.add_argument("--dtype", default="auto", help="vLLM's --dtype (default: auto)")
     from llmrl.bench import add_bench_parser
     from llmrl.export import add_export_parsers
     from llmrl.report import add_report_parser
@@ -231,6 +242,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench.cmd_bench(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import subprocess
+
+    from llmrl.models.loading import resolve_model_path
+    from llmrl.rollout.vllm_server import serve_command
+
+    cmd = serve_command(resolve_model_path(args.model), port=args.port, lora_r=args.lora_r, max_loras=4, seed=args.seed,
+                        max_len=args.max_model_len, dtype=args.dtype)
+    cmd[cmd.index("--host") + 1] = args.host
+    print(f"llmrl serve: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    return subprocess.call(cmd, env={**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     OneLineParser.command = next((a for a in argv if not a.startswith("-")), None)
@@ -247,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         from llmrl.export import cmd_chat, cmd_export
 
         commands = {"train": cmd_train, "eval": cmd_eval, "grade": cmd_grade, "report": cmd_report, "bench": cmd_bench,
-                    "export": cmd_export, "chat": cmd_chat}
+                    "export": cmd_export, "chat": cmd_chat, "serve": cmd_serve}
         return commands[args.command](args)
     except RunStopped as e:
         print(f"llmrl: stopped: {e}", file=sys.stderr)

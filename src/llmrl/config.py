@@ -18,7 +18,7 @@ import yaml
 
 from llmrl.errors import ConfigError
 
-ENGINE_NAMES = ("hf", "vllm")  # rollout.ENGINES, without importing torch here
+ENGINE_NAMES = ("hf", "vllm", "vllm-server")  # rollout.ENGINES, without importing torch here
 # algorithms.core.MISMATCH_WEIGHTS
 MISMATCH_CORRECTIONS = ("none", "token_tis", "sequence_truncate", "sequence_mask", "geo_mean_mask", "seq_mean_k1")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -98,9 +98,11 @@ class TrainConfig:
     dtype: str = doc("auto", "auto (bf16 on CUDA GPUs with native bf16, fp32 on older ones; on CPU bf16 products where a native bf16 unit measures faster, else fp32), float32 or bfloat16 (float16 is refused: no loss scaling)")
     num_threads: int = doc(0, "torch CPU threads (0 = torch's default)")
     dist_timeout: float = doc(600.0, "seconds a rank waits for the others in a collective before the run fails (torchrun)")
-    rollout_engine: str = doc("hf", "rollout engine: hf (Hugging Face generate on the policy) or vllm (in-process vLLM, synced through a LoRA adapter every step; `make vllm` on CPU)")
+    rollout_engine: str = doc("hf", "rollout engine: hf (Hugging Face generate on the policy), vllm (in-process vLLM, synced through a LoRA adapter every step, one engine per torchrun rank; `make vllm` on CPU) or vllm-server (a `vllm serve` process fed an adapter per policy version)")
+    server_url: str | None = doc(None, "vllm-server: the URL of a running server (`llmrl serve`) instead of starting `vllm serve` on 127.0.0.1")
     vllm_memory: float = doc(0.3, "vllm on CUDA: share of the GPU's memory for the engine (gpu_memory_utilization); on CPU the KV cache is sized to the run's batch")
     vllm_sleep: bool = doc(True, "vllm on CUDA: put the engine to sleep (weights offloaded, KV cache freed) during each update")
+    max_staleness: int = doc(0, "async rollouts (vllm-server): 0 = synchronous; k >= 1 = the rollouts of step s+1 are drawn by a thread, from the policy before step s, while step s learns (one step ahead: every batch is 1 policy version old), batches more than k versions old are dropped and drawn again; their old log-probs are the engine's (the behaviour policy)")
     old_logprobs: str = doc("trainer", "where logp_old comes from with the vllm engine: trainer (recomputed, the seed's) or engine (vLLM's own sampled-token log-probs: one forward less)")
     mismatch_correction: str = doc("none", "training-inference mismatch correction with the vllm engine, per completion token x_t = log π_old − log π_engine, r = exp(Σ_t x_t), C = mismatch_cap (README: the table): none; token_tis: each token's loss × min(e^x_t, C) (TRL token_truncate, verl rollout_is=token); sequence_truncate: every token of a completion × min(r, C) (TRL sequence_truncate, verl rollout_is=sequence); sequence_mask: × r where r ≤ C, else 0 (TRL sequence_mask, no lower bound); geo_mean_mask: × 1 where exp(mean_t x_t) is in [1/C, C], else 0, the tokens staying in the normaliser (llmrl's sequence_mask before); seq_mean_k1: the same completions rejected and taken out of the loss mask, so out of the token-mean normaliser and the KL (verl rollout_rs=seq_mean_k1, threshold C). With old_logprobs=engine and grpo, x uses π_θ (detached) and the loss already carries ρ_t = e^x_t, so token_tis weighs min(ρ_t, C)/ρ_t, sequence_truncate min(r, C)/r, sequence_mask 1 where r ≤ C (the other two are unchanged)")
     mismatch_cap: float = doc(2.0, "cap C of mismatch_correction (every mode; see its help): token_tis and sequence_truncate cap their weight at C, sequence_mask drops r > C, geo_mean_mask and seq_mean_k1 keep exp(mean log-ratio) within [1/C, C]")
@@ -166,8 +168,8 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 SECTIONS: dict[str, tuple[str, ...]] = {
     "task and data": ("model", "task", "prompts", "math_data", "math_reward", "grade_time_limit", "grade_workers",
                       "long_prompts"),
-    "run": ("steps", "seed", "output_dir", "device", "dtype", "rollout_engine", "vllm_memory", "vllm_sleep",
-            "old_logprobs", "mismatch_correction", "mismatch_cap"),
+    "run": ("steps", "seed", "output_dir", "device", "dtype", "rollout_engine", "server_url", "max_staleness", "vllm_memory",
+            "vllm_sleep", "old_logprobs", "mismatch_correction", "mismatch_cap"),
     "sampling": ("batch_size", "group_size", "min_new_tokens", "max_new_tokens", "max_prompt_tokens", "temperature",
                  "top_p", "top_k", "repetition_penalty"),
     "environments": ("max_turns", "episode_tokens", "max_env_tokens", "env_timeout"),
@@ -200,7 +202,8 @@ RESUME_MAY_CHANGE = {
     "keep_checkpoints", "sample_log_interval", "max_bad_steps", "strict_rewards", "wandb", "wandb_project", "tensorboard", "report",
     "run_name", "num_threads", "device", "strict_health", "health_steps", "health_truncated_frac",
     "health_zero_spread_frac", "health_max_kl", "health_max_clip_frac", "grade_time_limit", "grade_workers", "fast", "dist_timeout", "logp_from_sampler", "shared_prefix", "fuse_accumulation", "onednn_linear", "fuse_lora",
-    "merge_lora_sampling", "keep_heap_memory", "vllm_memory", "vllm_sleep", "env_timeout",
+    "merge_lora_sampling", "keep_heap_memory", "vllm_memory", "vllm_sleep", "env_timeout", "server_url",
+    "max_staleness",  # a resumed async run re-draws its in-flight batch anyway (README: async)
 }
 
 
@@ -319,8 +322,14 @@ def validate(cfg: TrainConfig) -> None:
          f"must divide batch_size*group_size={cfg.rollout_size} so every completion weighs the same")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rule(cfg.batch_size % world == 0, "batch_size", f"must be divisible by the world size {world}")
-    rule(world == 1 or cfg.rollout_engine != "vllm", "rollout_engine",
-         f"vllm is single-process for now (WORLD_SIZE={world}): an engine per torchrun rank is not built yet")
+    rule(world == 1 or cfg.rollout_engine != "vllm-server", "rollout_engine",
+         f"vllm-server is single-process for now (WORLD_SIZE={world}): use vllm, an engine per rank")
+    rule(cfg.server_url is None or cfg.rollout_engine == "vllm-server", "server_url", "needs rollout_engine=vllm-server")
+    rule(cfg.max_staleness >= 0, "max_staleness", "must be 0 (synchronous) or more")
+    rule(cfg.max_staleness == 0 or cfg.rollout_engine == "vllm-server", "max_staleness",
+         f"needs rollout_engine=vllm-server (the {cfg.rollout_engine} engine samples the weights the update is changing)")
+    rule(cfg.max_staleness == 0 or not cfg.dynamic_sampling, "max_staleness",
+         "does not combine with dynamic_sampling (its extra rounds need the current policy)")
     rule(world == 1 or not cfg.dynamic_sampling, "dynamic_sampling", f"is single-process for now (WORLD_SIZE={world})")
     rule(cfg.dist_timeout > 0, "dist_timeout", "must be positive")
     rule(world == 1 or not cfg.device.startswith("cuda:"), "device",
@@ -331,11 +340,11 @@ def validate(cfg: TrainConfig) -> None:
     rule(cfg.rollout_engine in ENGINE_NAMES, "rollout_engine", f"unknown engine (known: {', '.join(ENGINE_NAMES)})")
     rule(0 < cfg.vllm_memory <= 1, "vllm_memory", "must be in (0, 1]")
     rule(cfg.old_logprobs in ("trainer", "engine"), "old_logprobs", "must be trainer or engine")
-    rule(cfg.old_logprobs == "trainer" or cfg.rollout_engine == "vllm", "old_logprobs",
+    rule(cfg.old_logprobs == "trainer" or cfg.rollout_engine != "hf", "old_logprobs",
          "engine needs rollout_engine=vllm (the hf engine's sampler log-probs are logp_from_sampler)")
     rule(cfg.mismatch_correction in MISMATCH_CORRECTIONS, "mismatch_correction",
          f"must be one of {', '.join(MISMATCH_CORRECTIONS)}")
-    rule(cfg.mismatch_correction == "none" or cfg.rollout_engine == "vllm", "mismatch_correction",
+    rule(cfg.mismatch_correction == "none" or cfg.rollout_engine != "hf", "mismatch_correction",
          "needs rollout_engine=vllm (the hf engine samples the trained weights themselves)")
     rule(cfg.mismatch_cap > 1, "mismatch_cap", "must be above 1")
     rule(cfg.long_prompts in ("truncate", "skip"), "long_prompts", "must be truncate or skip")
@@ -403,6 +412,7 @@ class Plan:
     bf16_matmul: bool  # CPU, dtype auto: frozen fp32 linears multiply through bf16 copies (measured to pay)
     precision: str  # one line: the precision and why (auto: measured on CPU)
     engine: str  # rollout engine name (rollout.ENGINES)
+    engine_old: bool  # the loss's old log-probs are the engine's (old_logprobs=engine, or async: the behaviour policy)
     sampler_logp: bool  # old log-probs and entropies from the sampler's own logits (no second forward)
     merge_lora: bool  # LoRA merged into the base weights while sampling and in eval (fp32 products only)
     shared_prefix_scoring: bool  # no-grad old/ref passes run each prompt once for its group
@@ -437,6 +447,7 @@ def resolve(cfg: TrainConfig) -> Plan:
     fp32_products = dtype == torch.float32 and not bf16_matmul  # every product of the base in fp32
     return Plan(
         device=device, dtype=dtype, bf16_matmul=bf16_matmul, precision=precision, engine=cfg.rollout_engine,
+        engine_old=cfg.old_logprobs == "engine" or cfg.max_staleness > 0,
         # the sampler's decode-step logits match a full forward to ~1e-6 in fp32 only: with bf16 the old
         # log-probs come from a full forward, with the shared prefix only where the update uses it too
         # (not with gradient checkpointing), as the two layouts round differently in bf16; the first ratio

@@ -20,3 +20,8 @@ class DataError(UserError):
 class RunStopped(UserError):
     """The run stopped itself to lose nothing (repeated non-finite updates, a full disk, a raising
     reward under --strict_rewards); the message says where the last good checkpoint is."""
+
+
+class EngineDied(RunStopped):
+    """The rollout engine's process went away mid-run (a vLLM server killed or crashed): the loop saves the
+    last step learned and stops with one line."""

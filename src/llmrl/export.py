@@ -145,7 +145,7 @@ def chat(path: Path, task: str | None = None, max_new_tokens: int = 256, lines=N
     except Exception:  # noqa: BLE001 - no data for the task here: chat without its system prompt
         pass
     engine = make_engine(cfg, resolve(cfg), tokenizer)
-    engine.sync(model)
+    engine.load(model, 0)
     write(f"llmrl chat: {checkpoint} ({cfg.task}); one message per line, Ctrl-D to quit")
     for line in (lines if lines is not None else sys.stdin):
         text = line.strip()

@@ -17,10 +17,36 @@ def _vllm_engine(tokenizer, sampling: Sampling, cfg, plan):
                       max_sequences=max(cfg.rollout_size, cfg.eval_batch_size * cfg.eval_samples_per_prompt))
 
 
+def _vllm_server_engine(tokenizer, sampling: Sampling, cfg, plan):
+    import atexit
+    from pathlib import Path
+
+    from llmrl.models.loading import resolve_model_path
+    from llmrl.rollout.vllm_engine import kv_cache_bytes
+    from llmrl.rollout.vllm_server import VLLMServer, VLLMServerEngine, free_port, serve_command
+
+    command = None
+    if cfg.server_url is None:
+        path = resolve_model_path(cfg.model)
+        from transformers import AutoConfig
+
+        turns = cfg.max_turns or 4  # environments: replies and environment messages after the prompt
+        max_len = cfg.max_prompt_tokens + turns * (cfg.max_new_tokens + cfg.max_env_tokens + 16)
+        max_len = min(max_len, getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None) or max_len)
+        kv = kv_cache_bytes(path, cfg.rollout_size, max_len, plan.dtype) if plan.device.type == "cpu" else None
+        command = serve_command(path, port=free_port(), lora_r=cfg.lora_r, max_loras=2, seed=cfg.seed, max_len=max_len,
+                                dtype=str(plan.dtype).removeprefix("torch."), cpu_kv_bytes=kv)
+    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+    engine = VLLMServerEngine(tokenizer, sampling, VLLMServer(command, cfg.server_url, Path(cfg.output_dir) / "vllm-server.log"))
+    atexit.register(engine.close)
+    return engine
+
+
 ENGINES = {
     "hf": lambda tokenizer, sampling, cfg, plan: HFEngine(tokenizer, sampling, eval_batch_size=cfg.eval_batch_size,
                                                           merge_lora=plan.merge_lora, sampler_logp=plan.sampler_logp),
     "vllm": _vllm_engine,
+    "vllm-server": _vllm_server_engine,
 }
 
 

@@ -1,7 +1,7 @@
 """What rollout engines share: the `Rollout` container, the engine interface, and `add_logprobs`,
 which completes a rollout with its old and reference log-probs (engines generate; they do not score).
 
-    engine.sync(model)                                   before each rollout: sample from exactly this policy
+    engine.load(model, version)                          before each rollout: sample from exactly this policy
     engine.release()                                     after sampling, before the old/ref forwards and the update
     engine.greedy(messages, max_new_tokens)              one greedy completion per prompt (eval)
     engine.sample(messages, k, seed, first, sampling)    k sampled completions per prompt (eval with k > 1)
@@ -51,6 +51,7 @@ class Rollout:
     #                         (select_rows keeps the call's count: metrics count per call, not from a selection)
     entropy: torch.Tensor | None = None  # [N, L-1] sampling-policy token entropies at temperature 1 (0 outside)
     engine_logp: torch.Tensor | None = None  # [N, L-1] the engine's own log-probs of the sampled tokens (vllm; 0 outside)
+    version: torch.Tensor | None = None  # [N] the policy version each row was sampled from (RL steps learned before it)
 
     @property
     def completion_lens(self) -> torch.Tensor:
@@ -67,6 +68,7 @@ def select_rows(r: Rollout, rows: list[int]) -> Rollout:
         prompt_len=r.prompt_len, texts=[r.texts[i] for i in rows], prompts_truncated=r.prompts_truncated,
         entropy=None if r.entropy is None else r.entropy[idx],
         engine_logp=None if r.engine_logp is None else r.engine_logp[idx],
+        version=None if r.version is None else r.version[idx],
     )
 
 
@@ -94,6 +96,7 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
         prompts_truncated=sum(r.prompts_truncated for r in parts),
         entropy=None if parts[0].entropy is None else torch.cat([widen(r.entropy, *pads(r), 0) for r in parts]),
         engine_logp=None if parts[0].engine_logp is None else torch.cat([widen(r.engine_logp, *pads(r), 0) for r in parts]),
+        version=None if parts[0].version is None else torch.cat([r.version for r in parts]),
     )
 
 
@@ -112,8 +115,10 @@ class Reply:
 class RolloutEngine(Protocol):
     sampler_logp: bool  # the log-probs continue_ids returns are the trainer's own (hf fp32): the old log-probs
 
-    def sync(self, model) -> None:
-        """Make the next continue_ids/greedy/sample draw from `model`'s current weights (adapter included)."""
+    def load(self, model, version: int) -> None:
+        """Make the next continue_ids/greedy/sample draw from `model`'s weights (adapter included), which are
+        policy version `version` (the RL steps it has learned): an engine that already holds that version
+        may skip the transfer, so a new version number is how an engine learns the weights changed."""
 
     def release(self) -> None:
         """Generation is over: free what the engine holds that the old/ref forwards and the update could use
@@ -128,6 +133,9 @@ class RolloutEngine(Protocol):
         by keys (greedy: argmax); contexts come in runs of group_size equal ones (an engine may share
         their prefill). Every training rollout is made of these (rollout/episodes.py: a single-turn task's
         episodes have one turn)."""
+
+    def close(self) -> None:
+        """The run is over (or failed): stop what the engine started (vllm-server: its server process)."""
 
     def episodes(self) -> AbstractContextManager:
         """The continue_ids calls of one rollout's episodes happen inside this (weights unchanged): an

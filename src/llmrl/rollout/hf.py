@@ -170,7 +170,7 @@ class HFEngine:
     def __init__(self, tokenizer, sampling: Sampling, *, eval_batch_size: int, merge_lora: bool, sampler_logp: bool):
         self.tokenizer, self.sampling, self.eval_batch_size = tokenizer, sampling, eval_batch_size
         self.merge_lora, self.sampler_logp = merge_lora, sampler_logp
-        self.model = None
+        self.model, self.version = None, -1
         self._kept: list[Kept] | None = None  # inside episodes(): the rows of the last continue_ids call
 
     @contextmanager
@@ -185,12 +185,15 @@ class HFEngine:
         finally:
             self._kept = None
 
-    def sync(self, model) -> None:
+    def load(self, model, version: int) -> None:
         """HF generates with the policy object itself, so it always samples the current weights."""
-        self.model = model
+        self.model, self.version = model, version
 
     def release(self) -> None:
         """Nothing to free: HF samples with the policy's own weights."""
+
+    def close(self) -> None:
+        """Nothing to stop."""
 
     def _config(self, **kw) -> GenerationConfig:
         return greedy_config(self.tokenizer, eos_ids(self.model, self.tokenizer), **kw)

@@ -1,7 +1,9 @@
-"""The `vllm` rollout engine: vLLM in the trainer's own process (colocated), synced before every rollout.
+"""The `vllm` rollout engine: vLLM in the trainer's own process (colocated), synced before every rollout;
+under torchrun one engine per rank (vLLM's external launcher: tensor parallel 1 on the trainer's process group).
 
-    sync(model)        the policy's LoRA weights are written to a fresh adapter directory and the next
-                       requests carry a LoRARequest with a new id (the previous adapter is dropped)
+    load(model, v)     a new policy version v: the policy's LoRA weights are written to a fresh adapter
+                       directory and the next requests carry a LoRARequest named policy-v{v} with a new
+                       id (the previous adapter is dropped); the version already loaded: nothing to do
     continue_ids(...)  one request per context of token ids (a rollout's turn: rollout/episodes.py), each
                        with its own seed mix(seed, global prompt, g[, turn]): a completion does not depend
                        on which other requests share the batch
@@ -100,6 +102,9 @@ class VLLMEngine:
         else:
             kwargs = {"gpu_memory_utilization": memory, "enable_sleep_mode": sleep}
         self.sleep_mode = sleep and not cpu
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: one engine per rank on the trainer's process
+            # group (RANK, LOCAL_RANK, MASTER_ADDR/PORT), tensor parallel 1, each rank sampling its own share
+            kwargs["distributed_executor_backend"] = "external_launcher"
         with kept_rng_state():  # vLLM seeds the process's RNGs; the trainer's (resumed) streams must not move
             self.llm = LLM(
                 model=model_path, tokenizer=model_path, dtype=str(dtype).removeprefix("torch."), seed=seed,
@@ -108,22 +113,27 @@ class VLLMEngine:
             )
         self._dir = Path(tempfile.mkdtemp(prefix="llmrl-vllm-lora-"))
         atexit.register(self.close)  # the synced adapters are scratch files
-        self.version = 0  # LoRA id of the adapter now loaded (0: none yet)
+        self.lora_id = 0  # LoRA id of the adapter now loaded (0: none yet)
+        self.version = -1  # the policy version it holds
         self.request = None
 
     # ------------------------------------------------------------------------- weight sync
 
-    def sync(self, model) -> None:
-        """Write the policy's adapter to a new directory and point the next requests at it."""
+    def load(self, model, version: int) -> None:
+        """Policy version `version`: unless it is the one loaded, write the policy's adapter to a new
+        directory and point the next requests at it (a new LoRA id: vLLM never mixes two versions)."""
         if self.sleep_mode and self.llm.llm_engine.is_sleeping():
             torch.cuda.empty_cache()  # the trainer's cached blocks back to the driver, for vLLM's weights and KV cache
             self.llm.wake_up()
         self.eos = self.eos or eos_ids(model, self.tokenizer)
-        old = self.version
-        self.version += 1
-        path = self._dir / f"v{self.version}"
+        if self.request is not None and version == self.version:
+            return
+        old = self.lora_id
+        self.lora_id += 1
+        path = self._dir / f"v{self.lora_id}"
         model.save_pretrained(str(path))
-        self.request = self._lora(f"policy-v{self.version}", self.version, str(path))
+        self.request = self._lora(f"policy-v{version}", self.lora_id, str(path))
+        self.version = version
         if old:
             self.llm.llm_engine.remove_lora(old)
             shutil.rmtree(self._dir / f"v{old}", ignore_errors=True)
@@ -134,7 +144,12 @@ class VLLMEngine:
             self.llm.sleep(level=1)
 
     def close(self) -> None:
+        """Remove the adapters; under torchrun also shut vLLM down now, which takes the process group
+        down with it (so a run closes its engine after the ranks' last collective: training/loop.py)."""
         shutil.rmtree(self._dir, ignore_errors=True)
+        if self.llm is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1 and torch.distributed.is_initialized():
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
 
     # ------------------------------------------------------------------------- requests
 

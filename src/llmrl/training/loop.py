@@ -3,7 +3,7 @@
     run = setup_run(cfg)                          run dir, resume, policy, optimizer, loggers (training/run.py)
     eval before step 1                            the untrained policy, for comparison
     for step in start..steps:
-        result = train_step(run, step)            sample, reward, advantages, update (training/step.py)
+        result = train_step(run, step)            collect (sample, reward, advantages), learn (training/step.py)
         log     metrics.jsonl (+ samples.jsonl every sample_log_interval steps)
         eval    every eval_interval steps and at the end
         save    every save_interval steps, at the end, and when a signal asks to stop
@@ -18,10 +18,11 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from llmrl.checkpoint import checkpoint_dir, latest_checkpoint
 from llmrl.config import TrainConfig
-from llmrl.errors import RunStopped
-from llmrl.training.run import StopOnSignal, evaluate_and_log, save, setup_run
-from llmrl.training.step import train_step
+from llmrl.errors import EngineDied, RunStopped
+from llmrl.training.run import Run, StopOnSignal, evaluate_and_log, save, setup_run
+from llmrl.training.step import DrawAhead, train_step
 
 
 @dataclass
@@ -37,24 +38,62 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
     """Train a LoRA policy with `cfg`; with `resume`, continue from the newest good checkpoint of
     output_dir; with `overwrite`, replace a run already in output_dir."""
     run = setup_run(cfg, resume, overwrite)
+    try:
+        return train_run(run)
+    finally:
+        run.engine.close()  # vllm-server: the child server stops on every exit path (SIGKILL: its parent-death signal)
+
+
+def train_run(run: Run) -> TrainResult:
+    """The loop of train() on a set-up run."""
+    cfg = run.cfg
     if run.start > cfg.steps:
         if run.dist.is_main:
             print(f"llmrl: {run.dir} already ran its {cfg.steps} steps; nothing to do (give --steps N to continue); "
                   f"adapter: {run.resumed_from}", file=sys.stderr)
-        run.logger.close()
-        run.dist.close()
+        close_run(run)
         return TrainResult(model=run.model, tokenizer=run.tokenizer, run_dir=run.dir, last_metrics={}, adapter=run.resumed_from)
-    eval_on = run.eval_n > 0
-    if eval_on and cfg.eval_interval > 0 and run.resumed_from is None:
-        evaluate_and_log(run, 0)  # the untrained policy, for comparison
+    ahead = DrawAhead(run) if cfg.max_staleness else None  # async: step s+1 is drawn while step s learns
+    try:
+        if run.eval_n > 0 and cfg.eval_interval > 0 and run.resumed_from is None:
+            evaluate_and_log(run, 0)  # the untrained policy, for comparison
+        return loop(run, ahead)
+    except EngineDied as e:
+        raise engine_died(run, e) from None
+    finally:
+        if ahead is not None:
+            ahead.close()
 
+
+def close_run(run: Run) -> None:
+    """The end of a run: logs closed, then the ranks meet, then the engine (a vLLM engine per rank takes the
+    process group down with it), then the process group."""
+    run.logger.close()
+    run.dist.barrier()
+    run.engine.close()
+    run.dist.close()
+
+
+def engine_died(run: Run, error: EngineDied) -> RunStopped:
+    """The engine's server went away: checkpoint the last step learned (unless it is saved already) and say
+    where, in one line. The model, optimizer and shuffle are those of that step (a rollout changes none of
+    them) and the task's state is from before the unlearned step's prompts, so --resume continues exactly."""
+    done = run.learned
+    latest = latest_checkpoint(run.dir, report=lambda _: None)
+    path = latest if latest == checkpoint_dir(run.dir, done) else save(run, done)
+    return RunStopped(f"{error}; checkpoint {path} (step {done}); resume with: llmrl train --resume {run.dir}")
+
+
+def loop(run: Run, ahead: DrawAhead | None) -> TrainResult:
+    """Steps run.start..steps: train_step, log, eval, save."""
+    cfg, eval_on = run.cfg, run.eval_n > 0
     last: dict[str, Any] = {}
     path = None
     bar = tqdm(range(run.start, cfg.steps + 1), initial=run.start - 1, total=cfg.steps, disable=not run.dist.is_main,
                desc="train")
     with StopOnSignal() as stop:
         for step in bar:
-            result = train_step(run, step)
+            result = train_step(run, step, ahead)
             last = result.metrics
             warnings = run.health.check(cfg, last)
             for text in warnings:
@@ -75,6 +114,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
                 raise RunStopped(f"step {step}: {run.totals.bad_in_a_row} non-finite updates in a row (max_bad_steps="
                                  f"{cfg.max_bad_steps}); parameters are the last good ones, saved in {path}")
             if eval_on and (final or (cfg.eval_interval and step % cfg.eval_interval == 0)):
+                if ahead is not None:
+                    ahead.settle()  # eval loads version `step`: not while the next step's draw is in flight
                 last |= evaluate_and_log(run, step)
             if final or (cfg.save_interval and step % cfg.save_interval == 0) or stopping:
                 path = save(run, step)
@@ -84,8 +125,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
                     print(f"llmrl: stopped by {stop.signal or 'a signal on another rank'} after step {step}; "
                           f"checkpoint {path}\nllmrl: resume with: llmrl train --resume {run.dir}", file=sys.stderr, flush=True)
                 break
-    run.logger.close()
-    run.dist.close()
+    close_run(run)
     if run.dist.is_main and path is not None:
         print(f"llmrl: adapter: {path} (load it with PeftModel.from_pretrained, or `llmrl export {run.dir}`)",
               file=sys.stderr)

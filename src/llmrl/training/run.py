@@ -86,6 +86,10 @@ class Run:
     totals: Totals = field(default_factory=Totals)
     health: Health = field(default_factory=Health)
     episodes: EpisodeRunner | None = None  # how the task's episodes run (a single-turn task: one-turn episodes)
+    learned: int = 0  # the last step learned (start - 1 until the first)
+    drawn_from: dict[int, dict[str, Any]] = field(default_factory=dict)  # step → the task's state before its prompts
+    #   were drawn, for every step drawn and not yet learned: a checkpoint saves the oldest (async: the next
+    #   step's prompts are drawn before this step is saved, and a resumed run draws them again)
 
     @property
     def eval_n(self) -> int:
@@ -224,7 +228,7 @@ def setup_run(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -
     engine = make_engine(cfg, plan, tokenizer)
     return Run(cfg=cfg, plan=plan, dir=run_dir, dist=dist, model=model, tokenizer=tokenizer, task=task, engine=engine,
                optimizer=optimizer, shuffle=shuffle, logger=logger, start=start, resumed_from=checkpoint, totals=totals,
-               health=health, episodes=environment_runner(cfg, task, model, tokenizer))
+               health=health, learned=start - 1, episodes=environment_runner(cfg, task, model, tokenizer))
 
 
 def environment_runner(cfg: TrainConfig, task: Task, model, tokenizer) -> EpisodeRunner:
@@ -239,7 +243,8 @@ def save(run: Run, step: int) -> Path | None:
     rank_rng = run.dist.gather(rank_rng_state())
     if not run.dist.is_main:
         return None
-    state = {"task": run.task.state_dict(), "totals": vars(run.totals), "health": vars(run.health), "config": run.cfg.to_dict(),
+    task_state = run.drawn_from[min(run.drawn_from)] if run.drawn_from else run.task.state_dict()
+    state = {"task": task_state, "totals": vars(run.totals), "health": vars(run.health), "config": run.cfg.to_dict(),
              "world_size": run.dist.world}
     extra = {f"{kind}_rank{r}": t for r, states in enumerate(rank_rng) for kind, t in states.items()} if run.dist.enabled else {}
     try:
@@ -265,11 +270,12 @@ def eval_max_new_tokens(cfg: TrainConfig, task: Task) -> int:
 
 
 def eval_policy(cfg: TrainConfig, model, tokenizer, task: Task, engine: RolloutEngine | None = None,
-                dist: Dist | None = None, episodes: EpisodeRunner | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """Eval of `model` on the task's first eval_n examples (`llmrl eval`, and the run's evals): greedy, or
-    eval_samples_per_prompt sampled completions each."""
+                dist: Dist | None = None, episodes: EpisodeRunner | None = None, version: int = 0
+                ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Eval of `model` (policy version `version`: the RL steps it has learned) on the task's first eval_n
+    examples (`llmrl eval`, and the run's evals): greedy, or eval_samples_per_prompt sampled completions each."""
     engine = engine or make_engine(cfg, resolve(cfg), tokenizer)
-    engine.sync(model)
+    engine.load(model, version)
     max_new = eval_max_new_tokens(cfg, task)
     sampling = Sampling(temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, top_k=0, repetition_penalty=1.0,
                         min_new_tokens=0, max_new_tokens=max_new, max_prompt_tokens=cfg.max_prompt_tokens)
@@ -286,7 +292,8 @@ def eval_policy(cfg: TrainConfig, model, tokenizer, task: Task, engine: RolloutE
 def evaluate_and_log(run: Run, step: int) -> dict[str, float]:
     """Evaluate, log the metrics and completions, refresh the report."""
     t0 = time.perf_counter()
-    metrics, rows = eval_policy(run.cfg, run.model, run.tokenizer, run.task, run.engine, run.dist, run.episodes)
+    metrics, rows = eval_policy(run.cfg, run.model, run.tokenizer, run.task, run.engine, run.dist, run.episodes,
+                                version=step)
     metrics["time/eval_s"] = time.perf_counter() - t0
     run.logger.log(step, metrics)
     run.logger.log_samples(step, rows, eval=True)

@@ -1,4 +1,4 @@
-"""One RL step, `train_step(run, step) -> StepResult`:
+"""One RL step, `train_step(run, step) -> StepResult`: `collect` (steps 1-4), then `learn` (step 5).
 
     1. examples = task.sample_train_batch(B)              (the task's own seeded RNG)
     2. rollout  = G episodes per prompt (run_episodes on the engine; one turn for a single-turn task)
@@ -14,6 +14,7 @@ lengths and texts are gathered so advantages and logs cover the global batch.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import time
 from dataclasses import dataclass, field
@@ -84,57 +85,82 @@ def draw_prompts(task: Task, tokenizer, cfg: TrainConfig, n: int) -> tuple[list[
     return kept, skipped
 
 
-def sample_and_score(run: Run, step: int) -> Sampled:
-    """Steps 1-3: B prompts, G completions each, their rewards.
+@dataclass
+class Drawn:
+    """One round of a step's rollouts as the engine returned them, before any trainer forward."""
+
+    examples: list[Example]  # this rank's prompts
+    skipped: int  # prompts redrawn for being too long (long_prompts=skip)
+    rollout: Rollout  # G rows per prompt, rollout.version = `version`
+    episodes: list[Episode] | None  # environments: the episodes the rows hold
+    generate_s: float
+
+
+def draw(run: Run, step: int, version: int, rounds: int = 0, need: int | None = None) -> Drawn:
+    """Steps 1-2 without the trainer: `need` prompts (batch_size) and G rollouts each from the policy the
+    engine holds, which is version `version` (loaded by the caller). It neither reads nor changes the
+    trainer's weights, so a thread may run it while the trainer learns (max_staleness)."""
+    cfg = run.cfg
+    examples, skipped = draw_prompts(run.task, run.tokenizer, cfg, need or cfg.batch_size)
+    first, stop = run.dist.shard(len(examples))
+    examples = examples[first:stop]
+    hooks.fire("before_rollout", step=step)
+    t0 = time.perf_counter()
+    seed = step_seed(cfg.seed, step) + 7_777 * rounds
+    # token-in/token-out episodes (a single-turn task's have one turn), noise keyed (seed, prompt, g, turn)
+    out, episodes = run.episodes(run.engine, examples, group_size=cfg.group_size, seed=seed, first_prompt=first,
+                                 sampling=run.engine.sampling)
+    run.engine.release()  # vLLM on CUDA sleeps now: the old/ref forwards get its memory (load wakes it)
+    out.version = torch.full((out.input_ids.shape[0],), version, dtype=torch.long, device=out.input_ids.device)
+    return Drawn(examples, skipped, out, episodes if is_environment(run.task) else None, time.perf_counter() - t0)
+
+
+def score_drawn(run: Run, d: Drawn, step: int) -> Sampled:
+    """Steps 2-3 on the trainer: old (unless the engine's) and reference log-probs of a draw, its rewards."""
+    cfg, plan, g = run.cfg, run.plan, run.cfg.group_size
+    t0 = time.perf_counter()
+    out = d.rollout
+    if plan.engine_old:  # the engine's own sampled-token log-probs are the behaviour policy
+        out.logp_old = out.engine_logp
+    out = add_logprobs(run.model, out, chunk=plan.score_chunk, token_budget=plan.token_budget, group_size=g,
+                       shared_prefix=plan.shared_prefix_scoring, with_ref=cfg.kl_coef > 0)
+    seconds = {"generate_s": d.generate_s, "logprobs_s": time.perf_counter() - t0}
+    owners = [ex for ex in d.examples for _ in range(g)]  # prompt-major, like the completions
+    counts = {"prompts_skipped": d.skipped, "prompts_truncated": out.prompts_truncated}
+    if d.episodes is not None:
+        scores = score_episodes(run.task, d.episodes, strict=cfg.strict_rewards, where=f"step {step}")
+        counts = add_counts(counts, episode_counts(d.episodes))
+    else:
+        scores = score(run.task, owners, out.texts, strict=cfg.strict_rewards, where=f"step {step}")
+    counts["reward_errors"] = scores.errors
+    return Sampled(owners, out, scores.rewards, counts, seconds, d.episodes)
+
+
+def sample_and_score(run: Run, step: int, drawn: Drawn) -> Sampled:
+    """Steps 1-3: B prompts, G completions each (the first round `drawn`), their rewards.
 
     With dynamic_sampling (DAPO), groups whose rewards are all equal are set aside and more prompts are
     sampled (up to dynamic_sampling_rounds rounds) until B groups have a spread; set-aside groups fill
     whatever is still missing (dynamic sampling is single-process).
     """
-    cfg, plan, g = run.cfg, run.plan, run.cfg.group_size
+    cfg, g = run.cfg, run.cfg.group_size
+    if not cfg.dynamic_sampling:
+        return score_drawn(run, drawn, step)
     kept: list[Sampled] = []  # groups with a reward spread
     flat: list[Sampled] = []  # groups without
-    counts = {"reward_errors": 0, "prompts_skipped": 0, "prompts_truncated": 0}  # over every round's prompts
-    seconds = {"generate_s": 0.0, "logprobs_s": 0.0}  # engine sync (vllm: the adapter) + generation; old/ref log-probs
+    counts: dict[str, int] = {}  # over every round's prompts
+    seconds = {"generate_s": 0.0, "logprobs_s": 0.0}
     rounds = 0
-    while rounds < (cfg.dynamic_sampling_rounds if cfg.dynamic_sampling else 1) and len(kept) < cfg.batch_size:
-        need = cfg.batch_size - len(kept) if cfg.dynamic_sampling else cfg.batch_size
-        examples, skipped = draw_prompts(run.task, run.tokenizer, cfg, need)
-        first, stop = run.dist.shard(len(examples))
-        examples = examples[first:stop]
-        hooks.fire("before_rollout", step=step)
-        t0 = time.perf_counter()
-        run.engine.sync(run.model)
-        seed = step_seed(cfg.seed, step) + 7_777 * rounds
-        # token-in/token-out episodes (a single-turn task's have one turn), noise keyed (seed, prompt, g, turn)
-        out, episodes = run.episodes(run.engine, examples, group_size=g, seed=seed, first_prompt=first,
-                                     sampling=run.engine.sampling)
-        episodes = episodes if is_environment(run.task) else None  # single-turn: scored on the text, no transcript
-        t1 = time.perf_counter()
-        run.engine.release()  # vLLM on CUDA sleeps now: the old/ref forwards get its memory (sync wakes it)
-        if cfg.old_logprobs == "engine":  # vLLM's own sampled-token log-probs are the behaviour policy
-            out.logp_old = out.engine_logp
-        out = add_logprobs(run.model, out, chunk=plan.score_chunk, token_budget=plan.token_budget, group_size=g,
-                           shared_prefix=plan.shared_prefix_scoring,
-                           with_ref=cfg.kl_coef > 0)
-        seconds["generate_s"] += t1 - t0
-        seconds["logprobs_s"] += time.perf_counter() - t1
-        owners = [ex for ex in examples for _ in range(g)]  # prompt-major, like the completions
-        if episodes is not None:
-            scores = score_episodes(run.task, episodes, strict=cfg.strict_rewards, where=f"step {step}")
-            counts = add_counts(counts, episode_counts(episodes))
-        else:
-            scores = score(run.task, owners, out.texts, strict=cfg.strict_rewards, where=f"step {step}")
-        counts["reward_errors"] += scores.errors
-        counts["prompts_skipped"] += skipped
-        counts["prompts_truncated"] += out.prompts_truncated  # counted here: the rows below are picked per group
+    while rounds < cfg.dynamic_sampling_rounds and len(kept) < cfg.batch_size:
+        d = drawn if rounds == 0 else draw(run, step, step - 1, rounds, cfg.batch_size - len(kept))
+        s = score_drawn(run, d, step)
+        counts = add_counts(counts, s.counts)  # prompts_truncated counted here: the rows below are picked per group
+        seconds = {k: v + s.seconds[k] for k, v in seconds.items()}
         rounds += 1
-        if not cfg.dynamic_sampling:
-            return Sampled(owners, out, scores.rewards, counts, seconds, episodes)
-        for i in range(len(examples)):
+        for i in range(len(d.examples)):
             rows = list(range(i * g, (i + 1) * g))
-            group = Sampled([owners[j] for j in rows], select_rows(out, rows), [scores.rewards[j] for j in rows],
-                            episodes=None if episodes is None else [episodes[j] for j in rows])
+            group = Sampled([s.owners[j] for j in rows], select_rows(s.rollout, rows), [s.rewards[j] for j in rows],
+                            episodes=None if s.episodes is None else [s.episodes[j] for j in rows])
             (kept if len({r.total for r in group.rewards}) > 1 else flat).append(group)
     filled = max(0, cfg.batch_size - len(kept))
     groups = kept[: cfg.batch_size] + flat[:filled]
@@ -143,6 +169,43 @@ def sample_and_score(run: Run, step: int) -> Sampled:
                    concat_rollouts([grp.rollout for grp in groups], run.tokenizer.pad_token_id),
                    [r for grp in groups for r in grp.rewards], counts, seconds,
                    None if not is_environment(run.task) else [ep for grp in groups for ep in grp.episodes])
+
+
+class DrawAhead:
+    """max_staleness >= 1: while step s computes its log-probs and learns, a thread draws the rollouts of
+    step s+1 from the policy before step s (version s-1), so each batch is one version old when it is
+    learned (lag 1; the first step after a start or a resume is drawn synchronously: lag 0).
+
+    The engine is loaded only on the main thread and never while a draw is in flight (`settle` before an
+    eval, which loads another version). The task's state from before the in-flight draw's prompts is what a
+    checkpoint saves (run.drawn_from), so a resumed run draws those prompts again, from its own policy.
+    """
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmrl-draw")
+        self.pending: tuple[int, int, concurrent.futures.Future] | None = None  # (step, version, its draw)
+
+    def submit(self, step: int, version: int) -> None:
+        run = self.run
+        run.engine.load(run.model, version)
+        run.drawn_from[step] = run.task.state_dict()
+        self.pending = (step, version, self.pool.submit(draw, run, step, version))
+
+    def take(self, step: int) -> Drawn | None:
+        """The draw of `step` if one is in flight (its errors, e.g. a dead server, raise here)."""
+        if self.pending is None or self.pending[0] != step:
+            return None
+        future, self.pending = self.pending[2], None
+        return future.result()
+
+    def settle(self) -> None:
+        """Wait until the in-flight draw is done (its result or error stays for `take`)."""
+        if self.pending is not None:
+            concurrent.futures.wait([self.pending[2]])
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def add_counts(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
@@ -177,7 +240,7 @@ def update_settings(run: Run) -> UpdateSettings:
         grad_accum_steps=cfg.grad_accum_steps, kl_coef=0.0 if cfg.kl_in_reward else cfg.kl_coef,
         kl_estimator=cfg.kl_estimator, kl_agg=cfg.kl_agg, max_grad_norm=cfg.max_grad_norm, shared_prefix=run.plan.shared_prefix_update,
         fuse_accumulation=run.plan.fuse_accumulation, token_budget=run.plan.token_budget, mismatch=cfg.mismatch_correction, mismatch_cap=cfg.mismatch_cap,
-        engine_old=cfg.old_logprobs == "engine",
+        engine_old=run.plan.engine_old,
     )
 
 
@@ -265,7 +328,11 @@ def step_record(run: Run, g: Gathered, adv: torch.Tensor, stats: UpdateStats, tr
 
 def episode_means(counts: dict[str, int]) -> dict[str, float]:
     """Environments: per-episode means of turns, tool calls, tool errors and environment tokens, and the
-    most turns any episode took (turns_max); the cut_* and env_* counts stay counts."""
+    most turns any episode took (turns_max); the cut_* and env_* counts stay counts. Async: the rows' mean
+    and largest policy lag (policy_lag, policy_lag_max)."""
+    if "policy_lag_rows" in counts:
+        counts["policy_lag"] = counts.pop("policy_lag_sum") / max(counts.pop("policy_lag_rows"), 1)
+        counts["policy_lag_max"] = counts.pop("max_policy_lag")
     if "episodes" not in counts:
         return counts
     n = max(counts.pop("episodes"), 1)
@@ -303,7 +370,7 @@ def update(run: Run, out: Rollout, g: Gathered, adv: torch.Tensor) -> tuple[Upda
         train["train/entropy"] = masked_mean(out.entropy, out.completion_mask).item()
     diff = None  # (Σ|engine − trainer|, tokens, max) of the sampled tokens' log-probs at θ_old, vllm only
     if out.engine_logp is not None:
-        diff = (stats.engine_diff if run.cfg.old_logprobs == "engine"
+        diff = (stats.engine_diff if run.plan.engine_old
                 else add_diff(None, out.logp_old, out.engine_logp, out.completion_mask)) or (0.0, 0.0, 0.0)
     averaged = (*(f"train/{k}" for k in stats.MEAN_FIELDS), "train/entropy")
     every_rank = run.dist.gather((train, diff))  # one collective for all the statistics
@@ -315,28 +382,63 @@ def update(run: Run, out: Rollout, g: Gathered, adv: torch.Tensor) -> tuple[Upda
     return stats, train
 
 
-def train_step(run: Run, step: int) -> StepResult:
-    """Steps 1-5 of RL step `step` (1-based); returns what to log. Updates run.totals."""
-    cfg = run.cfg
-    for group in run.optimizer.param_groups:  # warmup counted in RL steps, as the starter does
-        group["lr"] = cfg.lr * warmup_factor(step - 1, cfg.warmup_steps)
+@dataclass
+class Collected:
+    """What `collect` hands to `learn`: this rank's rows and rewards, the global batch, its advantages."""
 
-    # 1-3. sample prompts, complete them G times, score the completions
+    sampled: Sampled  # this rank's rows (Rollout), rewards, episodes
+    batch: Gathered  # every rank's rewards, lengths, texts
+    adv: torch.Tensor  # [N] global advantages
+    rollout_s: float  # the rollout's wall time on this rank (sampling, old/ref log-probs, rewards)
+
+
+def collect(run: Run, step: int, ahead: DrawAhead | None = None) -> Collected:
+    """Steps 1-4: prompts, G rollouts each, rewards, advantages. The rollouts come from the policy before
+    this step (version step-1), or, with `ahead` (max_staleness), from the draw it made during the step
+    before (version step-2); a batch more than max_staleness versions old is dropped and drawn again."""
+    cfg = run.cfg
     t0 = time.perf_counter()
-    s = sample_and_score(run, step)
+    drawn, dropped = ahead.take(step) if ahead else None, 0
+    if drawn is not None and step - 1 - int(drawn.rollout.version.min()) > cfg.max_staleness:
+        dropped, drawn = len(drawn.rollout.texts), None
+    if drawn is None:
+        run.engine.load(run.model, step - 1)  # vllm: the adapter (counted in generate_s)
+        load_s = time.perf_counter() - t0
+        run.drawn_from.setdefault(step, run.task.state_dict())
+        drawn = draw(run, step, step - 1)
+        drawn.generate_s += load_s
+    if ahead and step < cfg.steps:
+        ahead.submit(step + 1, step - 1)  # drawn while this step learns
+    s = sample_and_score(run, step, drawn)
+    if cfg.max_staleness:
+        lag = (step - 1) - s.rollout.version
+        s.counts |= {"policy_lag_sum": int(lag.sum()), "policy_lag_rows": len(lag), "max_policy_lag": int(lag.max()),
+                     "stale_dropped": dropped}
     rewards_t = shaped_rewards(cfg, s)
     rollout_s = time.perf_counter() - t0
     g = gather(run, s, rewards_t)
+    return Collected(s, g, advantages(cfg, g.rewards_t), rollout_s)
 
-    # 4. advantages, 5. update
-    adv = advantages(cfg, g.rewards_t)
+
+def learn(run: Run, c: Collected, step: int) -> tuple[UpdateStats, dict[str, float], float]:
+    """Step 5 on collected rows, with step's learning rate: (stats, train/ metrics, seconds)."""
+    for group in run.optimizer.param_groups:  # warmup counted in RL steps, as the starter does
+        group["lr"] = run.cfg.lr * warmup_factor(step - 1, run.cfg.warmup_steps)
     t0 = time.perf_counter()
-    stats, train = update(run, s.rollout, g, adv)
-    update_s = time.perf_counter() - t0
+    stats, train = update(run, c.sampled.rollout, c.batch, c.adv)
+    return stats, train, time.perf_counter() - t0
 
-    metrics = step_record(run, g, adv, stats, train, rollout_s, update_s, s.seconds)
+
+def train_step(run: Run, step: int, ahead: DrawAhead | None = None) -> StepResult:
+    """RL step `step` (1-based): collect, then learn; returns what to log. Updates run.totals."""
+    c = collect(run, step, ahead)  # 1-4. prompts, rollouts, rewards, advantages
+    stats, train, update_s = learn(run, c, step)  # 5. the update
+    run.learned = step
+    run.drawn_from.pop(step, None)  # learned: a checkpoint no longer needs the task's state from before its prompts
+    g, adv = c.batch, c.adv
+    metrics = step_record(run, g, adv, stats, train, c.rollout_s, update_s, c.sampled.seconds)
     samples = []
-    if cfg.sample_log_interval and step % cfg.sample_log_interval == 0:
+    if run.cfg.sample_log_interval and step % run.cfg.sample_log_interval == 0:
         samples = [{"prompt": ex.messages[-1]["content"], "answer": ex.answer, "completion": text, "reward": r.total,
                     "components": r.components, "advantage": a, "ended": bool(e),
                     **({"transcript": t} if t is not None else {})}
