@@ -121,6 +121,9 @@ class VLLMServer:
         except urllib.error.HTTPError as e:
             raise RuntimeError(f"vllm server {path}: HTTP {e.code}: {e.read()[:300]!r}") from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+            if self.process is not None:  # a killed server resets its connections a moment before it can be reaped
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.process.wait(timeout=10)
             if not self.alive():
                 raise ServerDied(f"the vLLM server died (exit {self.process.returncode}): {self.log_tail()}; "
                                  f"its log: {self.log_path}") from None
