@@ -184,25 +184,25 @@ class DrawAhead:
     def __init__(self, run: Run) -> None:
         self.run = run
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmrl-draw")
-        self.pending: tuple[int, int, concurrent.futures.Future] | None = None  # (step, version, its draw)
+        self.pending: tuple[int, concurrent.futures.Future] | None = None  # (step, its draw); rows carry their version
 
     def submit(self, step: int, version: int) -> None:
         run = self.run
         run.engine.load(run.model, version)
         run.drawn_from[step] = run.task.state_dict()
-        self.pending = (step, version, self.pool.submit(draw, run, step, version))
+        self.pending = (step, self.pool.submit(draw, run, step, version))
 
     def take(self, step: int) -> Drawn | None:
         """The draw of `step` if one is in flight (its errors, e.g. a dead server, raise here)."""
         if self.pending is None or self.pending[0] != step:
             return None
-        future, self.pending = self.pending[2], None
+        future, self.pending = self.pending[1], None
         return future.result()
 
     def settle(self) -> None:
         """Wait until the in-flight draw is done (its result or error stays for `take`)."""
         if self.pending is not None:
-            concurrent.futures.wait([self.pending[2]])
+            concurrent.futures.wait([self.pending[1]])
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
