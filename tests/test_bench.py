@@ -15,7 +15,7 @@ from helpers import kept_logits
 from llmrl import bench
 from llmrl.bench import (
     add_bench_parser, cpu_bench, child_values, cmd_bench, drop_warmup, flop_count, flop_limit_seconds, median,
-    split_steps, summarize,
+    kernel_rate, split_steps, summarize, timing_size,
 )
 from llmrl.errors import ConfigError
 
@@ -31,6 +31,17 @@ def test_flop_limit_hand_worked():
     assert flop_limit_seconds(100, [10, 20], 5, 4, 2, True, flops_per_s=1_000) == pytest.approx(84.0)
     # fractional mean completion length: 1 group, P=7, G=2, R=2.5 → 12 tokens; (2+2+4)·10·12
     assert flop_count(10, [7], 2.5, 2, 1, True) == pytest.approx(960)
+
+
+def test_a_kernel_too_slow_for_full_size_is_timed_on_the_probe():
+    # (2048/256)^3 = 512: a 256x256 product of 3.9e-3 s projects to 1.9968 s, of 3.91e-3 s to 2.00192 s
+    assert timing_size(3.9e-3, 256, 2048, 2.0) == 2048
+    assert timing_size(3.91e-3, 256, 2048, 2.0) == 256
+    assert timing_size(0.2, 256, 2048, 2.0) == 256  # bf16 on AMD EPYC Zen 1: one 2048 product ~105 s
+    assert timing_size(0.1, 300, 900, 2.7) == 900  # 0.1 * 27 rounds to the double 2.7 rounds to: the bound is inclusive
+    assert timing_size(0.1, 300, 900, 2.69) == 300
+    r = {"matmul_gflops_by_kernel": {"torch.mm": 69.35, "torch.mm_bf16": 1.894}, "matmul_n_by_kernel": {"torch.mm": 2048, "torch.mm_bf16": 256}}
+    assert kernel_rate(r, "torch.mm") == "torch.mm 69" and kernel_rate(r, "torch.mm_bf16") == "torch.mm_bf16 1.9 on 256x256"
 
 
 def test_warmup_and_median():
@@ -136,6 +147,7 @@ def test_bench_no_trl_end_to_end(tiny_model_dir, one_thread_config, tmp_path, ca
     rates = r["matmul_gflops_by_kernel"]
     fp32 = {k: v for k, v in rates.items() if not k.endswith("_bf16")}
     assert "torch.mm" in rates and "torch.mm_bf16" in rates
+    assert set(r["matmul_n_by_kernel"]) == set(rates) and set(r["matmul_n_by_kernel"].values()) <= {256, 2048}
     assert r["matmul_gflops"] == max(fp32.values())  # the limit uses the fastest kernel of llmrl's precision (fp32)
     assert r["flop_limit_ratio_torch_mm"] == pytest.approx(r["flop_limit_ratio"] * rates["torch.mm"] / r["matmul_gflops"])
     bf16 = max(v for k, v in rates.items() if k.endswith("_bf16"))  # torch.mm_bf16, onednn_packed_bf16

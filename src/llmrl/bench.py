@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -122,13 +123,38 @@ def split_steps(steps: int, rounds: int) -> list[int]:
     return [steps // rounds + (1 if k < steps % rounds else 0) for k in range(rounds)]
 
 
-def matmul_rates(n: int = 2048, seconds: float = 2.0) -> dict[str, float]:
+def matmul_rates(n: int = 2048, seconds: float = 2.0, probe: int = 256) -> tuple[dict[str, float], dict[str, int]]:
     """The machine's fp32 matmul rate (FLOP/s) per kernel, each timed on two n×n matrices for about
     `seconds` after one untimed warm-up, 2·n³ FLOP per product: "torch.mm" (PyTorch's default, MKL
     sgemm on x86), where this torch build has it "onednn_packed" (oneDNN with a pre-packed operand,
     what llmrl's frozen linears use on CPU where it pays), "torch.mm_bf16" (bf16 inputs) and
     "onednn_packed_bf16" (what llmrl's bf16 products use). The FLOP limit uses the fastest kernel of
-    the precision llmrl runs in on this machine (`bf16_rate` / `fp32_rate`)."""
+    the precision llmrl runs in on this machine (`bf16_rate` / `fp32_rate`).
+
+    A kernel whose one n×n product would take longer than `seconds` (judged from one probe×probe
+    product) is timed on probe×probe matrices instead: bf16 on a CPU without bf16 instructions ran at
+    0.16 GFLOP/s on 2048×2048 (two products: 3.5 minutes) and 1.9 on 256×256 (AMD EPYC Zen 1), so
+    such a rate is not the full-size one; it matters only where llmrl runs bf16 on that CPU (forced
+    `dtype`). Returns (FLOP/s, the n it was timed at) by kernel."""
+    rates, sizes = {}, {}
+    small = matmul_kernels(probe)
+    for name, run in matmul_kernels(n).items():
+        small[name]()  # warm-up
+        t0 = time.perf_counter()
+        small[name]()
+        sizes[name] = timing_size(time.perf_counter() - t0, probe, n, seconds)
+        rates[name] = time_kernel(run if sizes[name] == n else small[name], sizes[name], seconds)
+    return rates, sizes
+
+
+def timing_size(probe_s: float, probe: int, n: int, seconds: float) -> int:
+    """n if one n×n product, projected from a probe×probe one that took probe_s (cubic in the size),
+    fits in `seconds`; else probe."""
+    return n if probe_s * (n / probe) ** 3 <= seconds else probe
+
+
+def matmul_kernels(n: int) -> dict[str, Callable[[], Any]]:
+    """`matmul_rates`' kernels on two random n×n matrices, by name."""
     import torch
 
     from llmrl.models.packed_linear import onednn_available, onednn_bf16_available, pack_weight, packed_matmul
@@ -144,18 +170,19 @@ def matmul_rates(n: int = 2048, seconds: float = 2.0) -> dict[str, float]:
     if onednn_bf16_available():
         packed16 = pack_weight(b16)
         kernels["onednn_packed_bf16"] = lambda: packed_matmul(a16, packed16, None)
-    rates = {}
-    for name, run in kernels.items():
+    return kernels
+
+
+def time_kernel(run: Callable[[], Any], n: int, seconds: float) -> float:
+    """FLOP/s of `run` (an n×n by n×n product) over about `seconds` after one untimed call."""
+    run()
+    reps, t0 = 0, time.perf_counter()
+    while True:
         run()
-        reps, t0 = 0, time.perf_counter()
-        while True:
-            run()
-            reps += 1
-            elapsed = time.perf_counter() - t0
-            if elapsed >= seconds:
-                rates[name] = 2 * n**3 * reps / elapsed
-                break
-    return rates
+        reps += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds:
+            return 2 * n**3 * reps / elapsed
 
 
 def fp32_rate(rates: dict[str, float]) -> float:
@@ -347,7 +374,7 @@ def run_bench(model: str | None = None, config: str | None = None, steps: int = 
 
         if values["num_threads"]:
             torch.set_num_threads(values["num_threads"])  # the children use the same thread count
-        rates = matmul_rates(seconds=matmul_seconds)
+        rates, sizes = matmul_rates(seconds=matmul_seconds)
         from llmrl.models.loading import pick_device, pick_dtype
 
         dtype, bf16_matmul, precision = pick_dtype(values.get("dtype", "auto"), pick_device(values.get("device", "auto")))
@@ -375,6 +402,7 @@ def run_bench(model: str | None = None, config: str | None = None, steps: int = 
             "config": name, "model": values["model"], "steps": steps, "warmup_steps": warmup,
             "alternate": len(rounds), "matmul_gflops": flops / 1e9,
             "matmul_gflops_by_kernel": {k: v / 1e9 for k, v in rates.items()},
+            "matmul_n_by_kernel": sizes,  # 2048, or 256 for a kernel too slow here to time at 2048
             "matmul": ("fastest bf16 kernel (llmrl runs bf16 here)" if bf16 else "fastest fp32 kernel (torch.mm, oneDNN packed)")
                       + ", 2048x2048, 2*n^3 FLOP each",
             "precision": precision,
@@ -446,12 +474,18 @@ def seconds_cell(value: float | None) -> str:
     return f"{value:8.2f}" if value is not None else f"{'-':>8}"
 
 
+def kernel_rate(r: dict[str, Any], kernel: str) -> str:
+    """'torch.mm 69', or 'torch.mm_bf16 1.9 on 256x256' for a kernel timed on the small probe."""
+    rate, n = r["matmul_gflops_by_kernel"][kernel], r.get("matmul_n_by_kernel", {}).get(kernel, 2048)
+    return f"{kernel} {rate:.0f}" if n == 2048 else f"{kernel} {rate:.2g} on {n}x{n}"
+
+
 def format_report(r: dict[str, Any]) -> str:
     per = "per process" if r["alternate"] > 1 else ""
     rounds = f", {r['alternate']} alternating rounds" if r["alternate"] > 1 else ""
     lines = [f"llmrl bench: {r['config']}, {r['steps']} measured steps per side after {r['warmup_steps']} warm-up"
              f"{(' ' + per) if per else ''}{rounds}, {r['num_threads']} threads, matmul {r['matmul_gflops']:.1f} GFLOP/s"
-             f" ({', '.join(f'{k} {v:.0f}' for k, v in r['matmul_gflops_by_kernel'].items())})",
+             f" ({', '.join(kernel_rate(r, k) for k in r['matmul_gflops_by_kernel'])})",
              f"{'side':<19} {'s/step':>8} {'rollout':>8} {'generate':>8} {'update':>8} {'tok/s':>8} {'peak MB':>8}"]
     for side in ("llmrl", *ENGINE_SIDES, "trl", "trl_checkpointing"):
         s = r.get(side)
