@@ -47,7 +47,7 @@ test: $(STAMP)
 # on a CUDA machine: Qwen2.5-1.5B's shape with random weights, offline, one verdict line per check (<= 8 min;
 # `$(PY) benchmarks/gpu_check.py --dry` is the CPU version the tests run)
 gpu-check: $(STAMP)
-	$(PY) benchmarks/gpu_check.py
+	$(PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-vllm runs/quickstart

