@@ -2,6 +2,8 @@
 inputs under a hard time limit, grading off the main thread, `llmrl grade`, and math_hard's verify mode."""
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -10,7 +12,8 @@ import pytest
 
 from helpers import cli, read_jsonl, run_cli, tiny_args
 from llmrl.grading import (
-    GradingPool, extract_answer, gold_from_solution, grade_batch, last_boxed, normalize, same_text, strip_think,
+    MAX_ANSWER_CHARS, GradingPool, extract_answer, gold_from_solution, grade_batch, last_boxed, normalize, same_text,
+    strip_think,
 )
 from llmrl.tasks.math_hard import MathHardTask
 
@@ -40,6 +43,95 @@ def test_extraction():
 ])
 def test_normalize(raw, canon):
     assert normalize(raw) == canon
+
+
+@pytest.mark.parametrize("raw, drop_prefix, canon", [  # the outputs of the former regex-only normalize
+    (" $x = \\dfrac{3}{4}$ ", True, "\\frac{3}{4}"), ("10\\ \\text{cm}^2", True, "10"),
+    ("5~\\mbox{ inches }", True, "5"), ("3\\text{ square units}", True, "3"), ("1,\\!000,\\!000", True, "1000000"),
+    ("\\left[ 2, 5 \\right)", True, "[2,5)"), ("45^{\\circ}", True, "45"), ("90°", True, "90"),
+    ("12.5\\%", True, "12.5"),
+    ("y = 2x + 1", True, "2x+1"), ("y = 2x + 1", False, "y=2x+1"), ("x=1, y=2", True, "x=1,y=2"),
+    ("a \\in \\{1, 2\\}", True, "\\{1,2\\}"), ("\\text{Monday}", True, "\\text{Monday}"), ("(C)", True, "(C)"),
+    ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", True, "\\begin{pmatrix}1\\\\2\\end{pmatrix}"),
+    ("\\sqrt{2} \\, \\text{m}", True, "\\sqrt{2}"), ("\\tfrac12 \\quad \\text{ways}", True, "\\frac12"),
+    ("4 \\text{ hours and } 5", True, "4\\text{hours and}5"), ("5\\text{ cm} + 2", True, "5\\text{cm}+2"),  # not a tail
+    ("6\\ \\text{ft} \\; 3\\ \\text{in}", True, "6\\text{ft}3"), ("2 \\text{inches inches}", True, "2"),
+    ("\\text{ meters}^{3}", True, ""), ("  -3,456.78 ", True, "-3456.78"), ("$$\\$1,000$$", True, "\\$1,000"),
+])
+def test_normalize_keeps_its_results(raw, drop_prefix, canon):
+    assert normalize(raw, drop_prefix) == canon
+
+
+@pytest.mark.parametrize("text, kept", [  # the outputs of the former regex strip_think
+    ("<think>a</think>b<think>c</think>d", "bd"), ("x<think>1</think>y<think>2", "xy"),
+    ("<think><think>a</think>b</think>c", "b</think>c"), ("</think>a<think>b", "</think>a"),
+    ("<thi<think></think>nk>z", ""),  # removing a block joins a new `<think>`, unclosed
+    ("<think>\n\\boxed{1}\n</think>\n\\boxed{2}", "\n\\boxed{2}"), ("no think", "no think"),
+])
+def test_strip_think_keeps_its_results(text, kept):
+    assert strip_think(text) == kept
+
+
+HOSTILE_FAMILIES = {  # n characters of text that made the regex normaliser quadratic (or worse), and its neighbours
+    "spaces": (normalize, lambda n: "1" + " " * n + "1"),
+    "tildes": (normalize, lambda n: "1" + "~" * n + "1"),
+    "spacing commands": (normalize, lambda n: "1" + "\\," * (n // 2) + "1"),
+    "dollars": (normalize, lambda n: "1" + "$" * n + "1"),
+    "caret then spaces": (normalize, lambda n: "^" + " " * n + "x"),
+    "unit words": (normalize, lambda n: "5\\text{" + "inches " * (n // 7) + "x}"),
+    "fractions": (normalize, lambda n: "\\frac{" * (n // 6)),
+    "nested braces": (normalize, lambda n: "{" * (n // 2) + "}" * (n // 2)),
+    "digits": (normalize, lambda n: "1" * n),
+    "unclosed thinks": (strip_think, lambda n: "<think>a" * (n // 8)),
+    "boxes": (extract_answer, lambda n: "\\boxed{" * (n // 7)),
+}
+
+
+def _cpu_seconds(f, text: str) -> float:
+    best = float("inf")
+    for _ in range(3):  # the fastest of three: another process sharing the core only adds time
+        t0 = time.process_time()
+        f(text)
+        best = min(best, time.process_time() - t0)
+    return best
+
+
+@pytest.mark.parametrize("family", HOSTILE_FAMILIES)
+def test_normalisation_is_linear(family):
+    """10x the text takes at most 40x the CPU time (linear: about 10x; the regexes took 100x or never
+    ended). A ratio, not a time: the machine may be slow or shared."""
+    f, make = HOSTILE_FAMILIES[family]
+    small, large = _cpu_seconds(f, make(MAX_ANSWER_CHARS // 10)), _cpu_seconds(f, make(MAX_ANSWER_CHARS))
+    assert large <= 40 * max(small, 1e-4), (family, small, large)  # 0.1 ms: below it a ratio is noise
+
+
+def test_hostile_answers_of_the_largest_graded_size_get_verdicts(tmp_path):
+    """`llmrl grade` on answers of MAX_ANSWER_CHARS built to be slow to normalise: each gets its verdict
+    (the work outside the workers is linear, math-verify's is cut at the time limit). The process
+    timeout is generous; the former normaliser took minutes on the first and never ended on `unit words`."""
+    n = MAX_ANSWER_CHARS - 20
+    rows = {
+        "spaces": ("\\boxed{1" + " " * n + "1}", "11", True),
+        "tildes": ("\\boxed{1" + "~" * n + "1}", "11", True),
+        "caret then spaces": ("\\boxed{2^" + " " * n + "3}", "8", None),
+        "unit words": ("\\boxed{5\\text{" + "inches " * (n // 7) + "x}}", "5", None),
+        "dollars": ("\\boxed{1" + "$" * n + "1}", "1", None),
+        "unclosed thinks": ("\\boxed{7}" + "<think>" * (n // 7), "7", True),
+        "nested fractions": ("\\boxed{" + "\\frac{1}{" * (n // 10) + "2" + "}" * (n // 10) + "}", "1", False),
+        "nested braces": ("\\boxed{" + "{" * (n // 2) + "1" + "}" * (n // 2) + "}", "1", None),
+        "digits": ("\\boxed{" + "1" * n + "}", "1", False),
+        "unclosed boxes": ("\\boxed{" * (n // 7), "1", False),
+    }
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"completion": c, "gold": g}) + "\n" for c, g, _ in rows.values()))
+    p = subprocess.run([sys.executable, "-m", "llmrl", "grade", "--input", str(src), "--output", str(dst),
+                        "--time_limit", str(LIMIT)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for (name, (_, _, expected)), out in zip(rows.items(), read_jsonl(dst), strict=True):
+        assert out["status"] in ("ok", "no_answer", "timeout", "error"), name  # error: sympy may crash (recursion)
+        assert "graded" not in out.get("reason", ""), (name, out["reason"])  # not refused as too long
+        if expected is not None:
+            assert out["correct"] is expected, (name, out["status"], out.get("reason"))
 
 
 def test_text_answers_compare_as_words():

@@ -32,8 +32,6 @@ MAX_COPIED_CHARS = 10_000  # `llmrl grade` copies longer completions into its ou
 DEFAULT_TIME_LIMIT = 5.0
 WORKER_MEMORY_BYTES = 4 << 30  # address-space cap of a grading worker (sympy can explode on 10^10^10)
 
-_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
-
 
 @dataclass(frozen=True)
 class Verdict:
@@ -48,8 +46,15 @@ class Verdict:
 
 
 def strip_think(text: str) -> str:
-    """The text without `<think>…</think>` blocks; an unclosed `<think>` hides everything after it."""
-    text = _THINK.sub("", text)
+    """The text without `<think>…</think>` blocks; an unclosed `<think>` hides everything after it.
+    Linear: each block's end is looked for once (a regex `<think>.*?</think>` rescans the rest of the
+    text from every unclosed `<think>`)."""
+    kept, pos = [], 0
+    while (start := text.find("<think>", pos)) >= 0 and (end := text.find("</think>", start + 7)) >= 0:
+        kept.append(text[pos:start])
+        pos = end + 8
+    kept.append(text[pos:])
+    text = "".join(kept)  # joining can make a new `<think>` (`<thi<think></think>nk>`): it hides the rest too
     cut = text.find("<think>")
     return text if cut < 0 else text[:cut]
 
@@ -98,14 +103,18 @@ _TEXT_WRAPPERS = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|mbox|operato
 _UNITS = (
     r"(?:cm|mm|km|m|meters?|centimeters?|inch(?:es)?|in|feet|foot|ft|yards?|miles?|units?|"
     r"square|sq|cubic|degrees?|seconds?|minutes?|hours?|days?|weeks?|years?|dollars?|cents?|"
-    r"pounds?|ounces?|grams?|kg|g|liters?|mph|points?|people|students?|ways?|inches)"
-)
-_UNIT_TAIL = re.compile(r"\s*(?:\\\s|~)*\\(?:text|mbox|mathrm)\s*\{\s*" + _UNITS + r"(?:\s+" + _UNITS + r")*\s*\}(\^\{?[23]\}?)?\s*$")
-_DEGREE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|°|\\degree")
+    r"pounds?|ounces?|grams?|kg|g|liters?|mph|points?|people|students?|ways?)"
+)  # one spelling per word: a word two alternatives match (`inches` was) makes a failed match exponential
+# A unit tail, `\text{cm}` ending the answer, has no backslash after its first, so it starts at the
+# last one; the spacing before it is read backwards from there (a regex search for the whole tail
+# rescans a long run of spaces from each of its characters).
+_UNIT_WORDS = re.compile(r"\\(?:text|mbox|mathrm)\s*\{\s*" + _UNITS + r"(?:\s+" + _UNITS + r")*\s*\}"
+                         r"(?:\^\{?[23]\}?)?\s*$")
+_UNIT_SPACING_REVERSED = re.compile(r"(?:\s\\|~)*\s*")  # `\s*(?:\\\s|~)*` read backwards
+_DEGREE = re.compile(r"\^\s*(?:\{\s*)?\\circ\s*\}?|°|\\degree")  # one way to read a run of spaces, not `\s*\{?\s*`
 _SPACES = re.compile(r"\\\\|\\[,;:! ]|\\quad|\\qquad|~")  # `\\\\` (a matrix row break) is kept
 _THOUSANDS = re.compile(r"(?<=\d)(?:\\,|\\!|\{,\}|,\\!)(?=\d{3}(?!\d))")
 _LOOSE_SPACE = re.compile(r"\s+(?![A-Za-z])|(?<![A-Za-z])\s+")  # spaces are kept only between letters
-_DOLLARS = re.compile(r"^\$+|\$+$")
 _LEFT_RIGHT = re.compile(r"\\(?:left|right|big|Big|bigg|Bigg)(?=[()\[\]|.]|\\[{}|])")
 _VAR_PREFIX = re.compile(r"^\s*(?:[a-zA-Z](?:_\{?\w+\}?)?|\\[a-zA-Z]+)\s*(?:=|\\in)\s*(?=\S)")
 _DFRAC = re.compile(r"\\[dt]frac")
@@ -116,20 +125,28 @@ def _spacing(m: re.Match) -> str:
     return token if token == "\\\\" else "" if token == "\\!" else " "
 
 
+def _drop_unit_tail(s: str) -> str:
+    """`s` without a trailing unit word and the spacing before it: `5\\ \\text{cm}^2` -> `5`."""
+    start = s.rfind("\\")
+    if start < 0 or not _UNIT_WORDS.match(s, start):
+        return s
+    return s[: start - _UNIT_SPACING_REVERSED.match(s[:start][::-1]).end()]
+
+
 def normalize(answer: str, drop_prefix: bool = True) -> str:
     """A canonical spelling of an answer for string comparison and for math-verify: no `$`, spacing
     commands, `\\left`/`\\right`, degree signs, percent signs, thousands separators, trailing unit
     words, spaces except between letters, or (with drop_prefix) `x =`/`x \\in` prefixes. MATH
-    convention: none of these change the answer."""
-    s = answer.strip()
-    s = _DOLLARS.sub("", s).strip()
+    convention: none of these change the answer. Linear in the length: it runs in the trainer, outside
+    the grading time limit, on answers of up to MAX_ANSWER_CHARS characters."""
+    s = answer.strip().strip("$").strip()  # not a regex `\$+$`: it rescans a run of `$` from each one
     s = _THOUSANDS.sub("", s)
     s = _SPACES.sub(_spacing, s)
     s = _LEFT_RIGHT.sub("", s)
     s = _DFRAC.sub(r"\\frac", s)
     s = _DEGREE.sub("", s)
     s = s.replace("\\%", "").replace("%", "")
-    s = _UNIT_TAIL.sub("", s)
+    s = _drop_unit_tail(s)
     if drop_prefix and (m := _VAR_PREFIX.match(s)) and "=" not in s[m.end():]:
         s = s[m.end():]  # `x = 3`, `x \\in [2,5)`; but not `x=1, y=2`
     s = _LOOSE_SPACE.sub("", s.strip())
