@@ -287,3 +287,40 @@ def test_grade_gives_a_reason_and_cuts_huge_completions(tmp_path):
     assert len(big["completion"]) == MAX_COPIED_CHARS + 1 and big["completion_chars"] == len(huge)
     assert nogold["status"] == "error" and nogold["reason"] == "no gold answer"
     assert fine["status"] == "ok" and "reason" not in fine and fine["completion"] == "\\boxed{3}"
+
+
+def test_a_grading_worker_dies_with_its_trainer(tmp_path):
+    """SIGKILL the process that started a worker (before the worker has even imported llmrl) while the worker's
+    stdin stays open (here, held by the test), so only the worker's parent watch can end it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from llmrl.grading import PARENT_PID, WORKER_COMMAND
+
+    r, w = os.pipe()
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import os, subprocess, sys, time\n"
+         f"p = subprocess.Popen([sys.executable, '-c', {WORKER_COMMAND!r}], stdin={r}, stdout=subprocess.DEVNULL,\n"
+         f"                     env={{**os.environ, {PARENT_PID!r}: str(os.getpid())}})\n"
+         "print(p.pid, flush=True)\ntime.sleep(600)\n"],
+        stdout=subprocess.PIPE, text=True, pass_fds=(r,))
+    os.close(r)
+    worker = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 60  # the worker's imports may still be running on a loaded machine
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{worker}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in "ZX":  # exited; a container's init may not reap it
+                    break
+        except (FileNotFoundError, ProcessLookupError):
+            break
+        time.sleep(0.2)
+    else:
+        os.kill(worker, signal.SIGKILL)
+        raise AssertionError(f"grading worker {worker} outlived its SIGKILLed parent")
+    os.close(w)

@@ -236,6 +236,24 @@ def parses(gold: str) -> bool:
 WORKER_FUNCTIONS = {"judge": judge, "parses": parses}
 
 
+PARENT_PID = "LLMRL_PARENT_PID"
+
+
+def exit_with_parent(interval: float = 0.5) -> None:
+    """End this process when its parent goes (a SIGKILLed trainer included), even mid-job: a daemon thread
+    polls the parent pid. PR_SET_PDEATHSIG would fire when the parent's creating *thread* ends, and the pool
+    may be made in a rollout thread. The parent's pid comes from $LLMRL_PARENT_PID when set: a parent that died
+    before this process got here is then noticed too."""
+    parent = int(os.environ.get(PARENT_PID, os.getppid()))
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
+
+
 def _worker_main() -> None:
     """A grading worker (`python -c ...`): read JSON lines [job id, function name, args] on stdin,
     write [job id, ok, result] lines on stdout."""
@@ -245,6 +263,7 @@ def _worker_main() -> None:
     import sys
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    exit_with_parent()
     try:
         import resource
 
@@ -277,7 +296,8 @@ class _Worker:
 
     def __init__(self) -> None:
         self.process = subprocess.Popen([sys.executable, "-c", WORKER_COMMAND], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                        env={**os.environ, PARENT_PID: str(os.getpid())})
         self.fd = self.process.stdout.fileno()  # type: ignore[union-attr]
         self.buffer = b""
         self.job: tuple[int, float] | None = None  # (job index, start time)
