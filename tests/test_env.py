@@ -463,3 +463,276 @@ def test_an_environment_that_raises_hangs_or_floods_from_the_cli_finishes_and_co
         assert r["rollout/turns_max"] == 2 and r["reward/mean"] == 0.5  # errors score 0, the others 1
     samples = read_jsonl(out / "samples.jsonl")
     assert all(len(m["content"]) < 1000 for s in samples for m in s["transcript"])
+
+
+STUCK_ENV = '''
+import time
+from llmrl import Environment
+from llmrl.tasks.base import Example, Reward
+from llmrl.tasks.env import Turn
+
+
+class Stuck(Environment):
+    """Odd games never answer: {how}; even ones answer once, then end."""
+
+    max_turns = 2
+
+    def __init__(self, seed=0):
+        self.seed, self.k = seed, 0
+
+    def sample_train_batch(self, n):
+        out = [Example([{{"role": "user", "content": f"Game {{self.k + i}}."}}], (self.k + i) % 2) for i in range(n)]
+        self.k += n
+        return out
+
+    def eval_examples(self, n):
+        return [Example([{{"role": "user", "content": f"Game {{i}}."}}], i % 2) for i in range(n)]
+
+    def state_dict(self):
+        return {{"k": self.k}}
+
+    def load_state_dict(self, state):
+        self.k = state["k"]
+
+    def step(self, episode, reply):
+        if episode.example.answer == 1:
+            {how}
+        return Turn([{{"role": "user", "content": "fine"}}] if episode.replies == 1 else None)
+
+    def reward(self, episode):
+        return Reward(total=1.0, components={{"played": 1.0}})
+'''
+
+
+@pytest.mark.parametrize("how, isolation", [("while True: pass", "process"), ("time.sleep(10**6)", "process"),
+                                            ("time.sleep(10**6)", "thread")])
+def test_a_step_that_never_returns_costs_its_episode_and_never_holds_the_run_or_its_exit(tmp_path, tiny_model_dir, how,
+                                                                                         isolation):
+    """`llmrl train` (2 steps) with an environment whose step in half the games never returns (a busy loop,
+    or a sleep of 11 days): the run exits 0, every such episode is counted (env_errors, env_timeouts) and
+    scores 0, and the process ends within env_timeout + 20 s of writing its last metrics line. With
+    processes (the default) the stuck steps are killed: no process of the run is left, nothing is left
+    running (env_abandoned 0); with threads they are abandoned (env_abandoned counts them) and do not hold
+    the exit."""
+    import os
+    import subprocess
+    import sys
+    import uuid
+
+    from helpers import TESTS, tiny_args, train_records
+
+    (tmp_path / "stuck.py").write_text(STUCK_ENV.format(how=how))
+    out, mark = tmp_path / "run", uuid.uuid4().hex
+    args = tiny_args(tiny_model_dir, out, "grpo", steps=2, task=f"{tmp_path / 'stuck.py'}:Stuck", batch_size=2,
+                     group_size=2, minibatch_size=4, max_prompt_tokens=256, env_timeout=1, eval_interval=0,
+                     env_isolation=isolation)
+    env = {**os.environ, "PYTHONPATH": str(TESTS) + os.pathsep + os.environ.get("PYTHONPATH", ""), "LLMRL_TEST_MARK": mark}
+    p = subprocess.run([sys.executable, str(TESTS / "faults.py"), "replies_end@3", *args], capture_output=True,
+                       text=True, timeout=400, env=env)
+    exited = time.time()
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+    delay = exited - (out / "metrics.jsonl").stat().st_mtime
+    print(f"exit {delay:.1f} s after the last metrics line ({how}, {isolation})")
+    assert delay < 1 + 20
+    records = train_records(out)
+    assert [r["step"] for r in records] == [1, 2]
+    for step, r in enumerate(records, 1):
+        assert r["rollout/env_errors"] == r["rollout/env_timeouts"] == 2  # the stuck game's two episodes
+        assert r["reward/mean"] == 0.5  # they score 0, the others 1
+        assert r["rollout/env_abandoned"] == (0 if isolation == "process" else 2 * step)
+    left = []  # processes of this run still alive (step workers carry the run's environment variables)
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                left += [pid] if f"LLMRL_TEST_MARK={mark}".encode() in f.read() else []
+        except OSError:
+            continue
+    assert not left
+
+
+class OneAnswer(Environment):
+    """reset and step answers that are not what the protocol says, by example: the kind is example.answer."""
+
+    name, max_turns = "one-answer", 2
+
+    def reset(self, example):
+        return "not messages" if example.answer == "bad reset" else list(example.messages)
+
+    def step(self, episode, reply):
+        kind = episode.example.answer
+        if episode.replies > 1:
+            return Turn(None)
+        return {"bad step": lambda: ["not", "a", "Turn"],
+                "bad messages": lambda: Turn(["a string, not a message"]),
+                "bad parts": lambda: Turn(None, parts={"x": float("nan")}),
+                "many messages": lambda: Turn([{"role": "user", "content": f"message {k} says hello"} for k in range(500)]),
+                "many empty": lambda: Turn([{"role": "tool", "content": ""} for _ in range(1000)]),
+                }.get(kind, lambda: Turn([{"role": "user", "content": "fine"}]))()
+
+    def reward(self, episode):
+        return Reward(total=1.0, components={})
+
+
+def scripted_run(tok, env, kinds, env_tokens=50, **kw):
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    reply = tok("fine then", add_special_tokens=False)["input_ids"] + [eos]
+    engine = ScriptedReplies([reply, reply, reply])
+    examples = [Example([{"role": "user", "content": f"Play {k}."}], k) for k in kinds]
+    limits = Limits(max_turns=2, episode_tokens=200, reply_tokens=40, env_tokens=env_tokens, env_timeout=30)
+    return run_episodes(engine, env, tok, examples, group_size=1, seed=0, first_prompt=0, sampling=SAMPLING,
+                        limits=limits, eos=[eos], **kw)
+
+
+def test_what_reset_and_step_return_is_checked_and_a_wrong_value_is_counted_not_raised(tiny_model_dir):
+    """reset returning a string, step returning a list, a Turn whose messages are strings, a NaN reward
+    part: each ends its episode (env_error, reward 0, counted in env_errors) and the rollout goes on."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    kinds = ["bad reset", "bad step", "bad messages", "bad parts", "good"]
+    r, episodes = scripted_run(tok, OneAnswer(), kinds)
+    errors = [ep.error for ep in episodes]
+    assert [ep.cut for ep in episodes] == ["env_error"] * 4 + [None] and episodes[4].done, errors
+    assert "reset returned str, not a list of messages" in errors[0]
+    assert "step returned list, not a Turn" in errors[1]
+    assert "not a dict with text role and content" in errors[2] and "not a finite number" in errors[3]
+    assert episodes[0].replies == 0 and r.completion_mask[0].sum() == 0  # no reply without a first message
+    assert episode_counts(episodes)["env_errors"] == 4 and episode_counts(episodes)["env_timeouts"] == 0
+    scores = score_episodes(OneAnswer(), episodes, strict=False, where="test")
+    assert [x.total for x in scores.rewards] == [0.0] * 4 + [1.0]
+
+
+def test_the_environment_token_cap_holds_per_turn_however_many_messages_a_step_returns(tiny_model_dir):
+    """max_env_tokens 20: a step returning 500 messages, or 1000 empty ones, adds at most the cap plus the
+    template's framing of one message and a truncation marker (the message that reaches the cap is cut,
+    the rest dropped, all counted in env_truncated); one short message passes whole. Each row is still
+    the template's rendering of its transcript."""
+    from llmrl.rollout.episodes import message_overhead
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    overhead = message_overhead(tok, "<|im_end|>")
+    r, episodes = scripted_run(tok, OneAnswer(), ["many messages", "many empty", "good"], env_tokens=20)
+    assert all(ep.done and ep.replies == 2 for ep in episodes)
+    for ep, n in zip(episodes, (500, 1000, 1)):
+        kept = ep.transcript[1:-1]  # between the two replies
+        cut = sum(m["content"].endswith("…[truncated]") for m in kept)
+        assert 1 <= len(kept) and ep.env_truncated == n - len(kept) + cut
+        assert ep.env_tokens <= 20 + overhead + 4, (ep.env_tokens, overhead)  # 4: the marker
+    assert episodes[0].env_truncated > 400 and episodes[1].env_truncated > 900 and episodes[2].env_truncated == 0
+    assert episodes[2].transcript[1]["content"] == "fine"
+    for i, ep in enumerate(episodes):
+        end = r.completion_mask[i].nonzero().max().item() + 2  # after the last sampled token (the padding)
+        text = tok.decode(r.input_ids[i, :end][r.attention_mask[i, :end].bool()].tolist())
+        rendered = tok.apply_chat_template(ep.messages, tokenize=False)
+        assert rendered.startswith(text) and len(rendered) - len(text) <= 2, (rendered[-80:], text[-80:])
+
+
+POOL_ENV = '''
+import os
+import threading
+import time
+from llmrl import Environment
+from llmrl.tasks.env import Turn
+
+
+class Pool(Environment):
+    """The reply says what the step does; the state counts the steps and says where the last one ran."""
+
+    def step(self, episode, reply):
+        if reply == "spin":
+            while True:
+                pass
+        if reply == "sleep":
+            time.sleep(10**6)
+        if reply == "exit":
+            os._exit(3)
+        episode.state = {"steps": (episode.state or {"steps": 0})["steps"] + 1, "pid": os.getpid(),
+                         "thread": threading.get_ident()}
+        return Turn([{"role": "user", "content": "ok"}], parts={"ok": 1})
+'''
+
+
+def pool_env(tmp_path):
+    from llmrl.tasks.custom import load_object
+
+    (tmp_path / "pool_env.py").write_text(POOL_ENV)
+    return load_object(f"{tmp_path / 'pool_env.py'}:Pool")()
+
+
+def test_process_steps_kill_a_step_that_overruns_and_replace_its_worker(tmp_path):
+    """Five steps at once on 3 worker processes: a busy loop and a sleep are killed at the timeout (their
+    processes are gone: nothing keeps running), a step that kills its worker fails alone, the others
+    answer, and each episode's state comes back from the worker. The next call reuses the pool (same
+    surviving worker) with fresh workers in place of the killed ones."""
+    import os
+
+    from llmrl.tasks.workers import env_steps
+
+    steps = env_steps("process", pool_env(tmp_path), 3)
+    ex = Example([{"role": "user", "content": "Hi."}], None)
+    episodes = [Episode(ex, list(ex.messages)) for _ in range(5)]
+    steps.run([(ep, "ok") for ep in episodes[:3]], 30.0)  # the three workers start
+    before = {w.process.pid for w in steps.workers}
+    assert {ep.state["pid"] for ep in episodes[:3]} <= before and os.getpid() not in before
+    out = steps.run(list(zip(episodes, ["ok", "spin", "sleep", "exit", "ok"])), 1.0)
+    after = {w.process.pid for w in steps.workers}
+    assert isinstance(out[0], Turn) and out[0].parts == {"ok": 1.0} and isinstance(out[4], Turn)
+    assert out[1].startswith("timeout after 1 s") and out[2].startswith("timeout after 1 s")
+    assert "worker died" in out[3]
+    assert episodes[0].state["steps"] == 2 and episodes[4].state["steps"] == 1  # the workers' states came back
+    assert episodes[1].state["steps"] == 1  # a failed step leaves the trainer's episode as it was
+    assert len(before - after) == 3 and not any(os.path.exists(f"/proc/{pid}") for pid in before - after)
+    assert steps.abandoned == 0
+    out = steps.run([(episodes[0], "ok")], 1.0)
+    assert isinstance(out[0], Turn) and episodes[0].state["steps"] == 3
+    steps.close()
+    assert not steps.workers
+
+
+def test_thread_steps_stop_the_run_past_the_cap_of_abandoned_steps(tmp_path):
+    """env_isolation=thread: overrunning steps are abandoned on daemon threads (counted in `abandoned`);
+    the fifth still running stops the run with one line (EnvStuck, a RunStopped)."""
+    from llmrl.errors import RunStopped
+    from llmrl.tasks.workers import ABANDONED_CAP, EnvStuck, env_steps
+
+    steps = env_steps("thread", pool_env(tmp_path), 2)
+    ex = Example([{"role": "user", "content": "Hi."}], None)
+    episodes = [Episode(ex, list(ex.messages)) for _ in range(3)]
+    out = steps.run(list(zip(episodes, ["ok", "sleep", "sleep"])), 0.2)
+    assert isinstance(out[0], Turn) and out[1].startswith("timeout after 0.2 s") and steps.abandoned == 2
+    steps.run([(Episode(ex, list(ex.messages)), "sleep") for _ in range(ABANDONED_CAP - 2)], 0.2)
+    assert steps.abandoned == ABANDONED_CAP
+    with pytest.raises(EnvStuck, match="5 environment steps overran env_timeout=0.2 s") as e:
+        steps.run([(Episode(ex, list(ex.messages)), "sleep")], 0.2)
+    assert isinstance(e.value, RunStopped) and "\n" not in str(e.value)
+    steps.close()
+
+
+def test_an_environment_that_cannot_go_to_a_worker_process_is_refused_at_start_with_the_way_out(tmp_path):
+    import threading
+
+    from llmrl.errors import ConfigError
+    from llmrl.tasks.workers import env_steps
+
+    env = pool_env(tmp_path)
+    env.lock = threading.Lock()
+    with pytest.raises(ConfigError, match="cannot be pickled.*env_isolation: thread"):
+        env_steps("process", env, 2)
+    env_steps("thread", env, 2).close()
+
+
+class StartFails(ScriptEnv):
+    def start(self, episode):
+        StartFails.count = getattr(StartFails, "count", -1) + 1
+        if StartFails.count % 3 == 1:
+            raise RuntimeError("no state for this one")
+
+
+def test_a_start_that_fails_for_part_of_a_group_ends_those_episodes_only(tiny_policy, monkeypatch):
+    """start raising for the second episode of each group: those end before a reply (env_error); the
+    others play on (their first turn no longer shares the group's prompt in the engine)."""
+    model, tok = tiny_policy
+    StartFails.count = -1
+    examples = [Example([{"role": "user", "content": "Hi."}], None), Example([{"role": "user", "content": "Yo."}], None)]
+    _, episodes = play(model, tok, monkeypatch, examples, env=StartFails())
+    assert [ep.cut for ep in episodes] == [None, "env_error", None] * 2
+    assert [ep.replies for ep in episodes] == [3, 0, 3] * 2 and "no state for this one" in episodes[1].error

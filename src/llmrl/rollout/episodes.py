@@ -12,11 +12,13 @@ on padding, so every log-prob, KL, loss aggregation and token count downstream s
     run_episodes(engine, env, ...)           G episodes per example → (Rollout, episodes)
 
 A single-turn task is the one-turn case (`OneTurn`): its rows are made here too, by the same code.
+The environment's steps of one turn run at once, in the run's step workers (tasks/workers.py: processes
+that are killed at env_timeout, or threads); what reset and step return is checked, and a value of the
+wrong kind ends its episode like a raise (env_error, reward 0, counted), never the run.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 from dataclasses import dataclass
 
@@ -27,7 +29,8 @@ from llmrl.rollout.base import Rollout, Sampling
 from llmrl.rollout.keyed import mix
 from llmrl.rollout.prompts import render
 from llmrl.tasks.base import Example
-from llmrl.tasks.env import Episode, OneTurn, Turn
+from llmrl.tasks.env import Episode, OneTurn, Turn, checked_messages
+from llmrl.tasks.workers import TIMEOUT, ProcessSteps, ThreadSteps, env_steps, error_text
 
 PLACEHOLDER = "LLMRL-REPLY-7f3a"  # a reply text no template rewrites
 TRUNCATED = " …[truncated]"
@@ -40,7 +43,7 @@ class Limits:
     max_turns: int
     episode_tokens: int  # sampled tokens per episode, all replies together
     reply_tokens: int  # sampled tokens per reply (max_new_tokens)
-    env_tokens: int  # tokens of one environment message's content (longer ones are cut, with a marker)
+    env_tokens: int  # tokens one environment turn may add, all its messages together (capped_turn)
     env_timeout: float  # seconds one env.step may take
 
 
@@ -78,55 +81,81 @@ def check_template(tokenizer, end_text: str) -> None:
         history = [*history, {"role": "assistant", "content": f"Reply {k}."}, {"role": "user", "content": f"Turn {k}."}]
 
 
-def capped(tokenizer, message: dict[str, str], max_tokens: int) -> tuple[dict[str, str], bool]:
-    """The message with its content cut to max_tokens tokens (and a marker), and whether it was cut."""
-    ids = tokenizer(message["content"], add_special_tokens=False)["input_ids"]
-    if len(ids) <= max_tokens:
-        return message, False
-    return {**message, "content": tokenizer.decode(ids[:max_tokens]) + TRUNCATED}, True
+def message_overhead(tokenizer, end_text: str) -> int:
+    """Tokens the chat template adds around one environment message (its delta with empty content:
+    the end of the reply's turn, the message's framing, the next generation prompt): an upper bound of
+    what each message of a turn costs beyond its content."""
+    history = [{"role": "user", "content": "Hi."}]
+    return len(tokenizer(delta_text(tokenizer, history, [{"role": "user", "content": ""}], end_text),
+                         add_special_tokens=False)["input_ids"])
 
 
-def env_step(env, episode: Episode, reply: str, timeout: float) -> Turn:
-    """env.step with a time limit: a step that raises or overruns ends the episode (`episode.cut =
-    "env_error"`, reward 0). An overrunning step's thread is abandoned, not killed (Python cannot)."""
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    future = pool.submit(env.step, episode, reply)
-    try:
-        return future.result(timeout=timeout)
-    except concurrent.futures.TimeoutError:
-        episode.cut, episode.error = "env_error", f"timeout after {timeout:g} s"
-    except Exception as e:  # noqa: BLE001 - a user's environment may raise anything
-        episode.cut, episode.error = "env_error", f"{type(e).__name__}: {e}"[:300]
-    finally:
-        pool.shutdown(wait=False)
-    return Turn(None)
+def capped_turn(tokenizer, messages: list[dict[str, str]], max_tokens: int, overhead: int) -> tuple[list[dict[str, str]], int]:
+    """One environment turn's messages within max_tokens tokens all together, however many there are:
+    each costs its content's tokens plus, after the first, `overhead` (the template's framing of a
+    message); the message that reaches the cap is cut (with a marker), those after it are dropped.
+    Returns the messages kept and how many were cut or dropped."""
+    kept, cut, left = [], 0, max_tokens
+    for k, m in enumerate(messages):
+        left -= overhead if k else 0
+        if left <= 0:
+            return kept, cut + len(messages) - k
+        ids = tokenizer(m["content"], add_special_tokens=False)["input_ids"]
+        if len(ids) > left:
+            m, cut, ids = {**m, "content": tokenizer.decode(ids[:left]) + TRUNCATED}, cut + 1, ids[:left]
+        kept.append(m)
+        left -= len(ids)
+    return kept, cut
 
 
 def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size: int, seed: int, first_prompt: int,
                  sampling: Sampling, limits: Limits, eos: list[int], greedy: bool = False,
-                 device: torch.device | str = "cpu") -> tuple[Rollout, list[Episode]]:
+                 device: torch.device | str = "cpu", steps: ProcessSteps | ThreadSteps | None = None
+                 ) -> tuple[Rollout, list[Episode]]:
     """group_size episodes per example (prompt-major), every turn of every live episode in one engine
     call; sampling noise keyed by (seed, first_prompt + b, g, turn) (turn 0: that of a single-turn
-    completion). Returns the rows as a Rollout on `device` (the trainer's; logp_old None: the trainer
-    scores them, except hf's sampler log-probs; engine_logp when the engine gave log-probs for every
-    reply) and the episodes."""
+    completion). The environment's steps of a turn run together in `steps` (the run's; None: threads
+    for this call only). Returns the rows as a Rollout on `device` (the trainer's; logp_old None: the
+    trainer scores them, except hf's sampler log-probs; engine_logp when the engine gave log-probs for
+    every reply) and the episodes."""
     end_text = tokenizer.decode([eos[0]]) if eos else tokenizer.eos_token
+    one_turn = isinstance(env, OneTurn)
+    if steps is None and not one_turn:
+        with contextlib.closing(ThreadSteps(env, 4)) as own:
+            return run_episodes(engine, env, tokenizer, examples, group_size=group_size, seed=seed,
+                                first_prompt=first_prompt, sampling=sampling, limits=limits, eos=eos, greedy=greedy,
+                                device=device, steps=own)
     episodes, contexts, prompts, tails = [], [], [], []
     truncated = 0
     for b, ex in enumerate(examples):
-        first = env.reset(ex)
+        error = None
+        if one_turn:
+            first = env.reset(ex)
+        else:
+            try:
+                first = checked_messages(env.reset(ex), "reset")
+            except Exception as e:  # noqa: BLE001 - a user's environment may raise anything
+                # the episodes end before their first reply; their rows still need a prompt
+                first, error = [{"role": "user", "content": ""}], error_text(e)
         ids = render(tokenizer, first)
         truncated += len(ids) > sampling.max_prompt_tokens
         ids = ids[-sampling.max_prompt_tokens:]
         for _ in range(group_size):
             ep = Episode(example=ex, messages=list(first), first=len(first))
-            env.start(ep)
+            if error is None:
+                try:
+                    env.start(ep)
+                except Exception as e:  # noqa: BLE001
+                    ep.cut, ep.error = "env_error", error_text(e)
+            else:
+                ep.cut, ep.error = "env_error", error
             episodes.append(ep)
             prompts.append(ids)
             contexts.append(list(ids))
             tails.append([])  # (token ids, sampled?, engine log-probs, engine entropies (or None)) segments
     keys = [mix(seed, first_prompt + b, g) for b in range(len(examples)) for g in range(group_size)]
     spent = [0] * len(episodes)
+    overhead = 0 if one_turn or limits.max_turns == 1 else message_overhead(tokenizer, end_text)
     # hf: each episode's KV cache carries over to its next turn (one turn: nothing to carry)
     with engine.episodes() if limits.max_turns > 1 else contextlib.nullcontext():
         for turn in range(limits.max_turns):
@@ -135,8 +164,11 @@ def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size:
                 break
             budgets = [min(limits.reply_tokens, limits.episode_tokens - spent[i]) for i in live]
             turn_keys = [keys[i] if turn == 0 else mix(keys[i], turn) for i in live]
+            # turn 0: a group shares its prompt (unless the environment's start failed for part of one)
+            shared = turn == 0 and len(live) == group_size * len({i // group_size for i in live})
             replies = engine.continue_ids([contexts[i] for i in live], turn_keys, sampling, max(budgets), greedy=greedy,
-                                          group_size=group_size if turn == 0 else 1)  # turn 0: a group shares its prompt
+                                          group_size=group_size if shared else 1)
+            stepping = []  # the episodes whose reply ended: the environment answers each
             for i, budget, reply in zip(live, budgets, replies):
                 ep = episodes[i]
                 ids, ended = reply.ids[:budget], reply.ended and len(reply.ids) <= budget
@@ -149,8 +181,15 @@ def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size:
                 if not ended:
                     ep.cut = "reply_tokens" if spent[i] < limits.episode_tokens else "episode_tokens"
                     continue
-                # a single-turn task has no step to run (nor a thread to start per row)
-                out = Turn(None) if isinstance(env, OneTurn) else env_step(env, ep, text, limits.env_timeout)
+                stepping.append((i, text))
+            # a single-turn task has no step to run; an environment's steps of this turn run at once
+            outs = ([Turn(None)] * len(stepping) if one_turn else
+                    steps.run([(episodes[i], text) for i, text in stepping], limits.env_timeout))
+            for (i, _), out in zip(stepping, outs):
+                ep = episodes[i]
+                if isinstance(out, str):  # it raised, overran or returned something that is not a Turn
+                    ep.cut, ep.error = "env_error", out
+                    continue
                 for name, v in out.parts.items():
                     ep.parts[name] = ep.parts.get(name, 0.0) + v
                 ep.tool_calls += out.tool_calls
@@ -164,11 +203,8 @@ def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size:
                 if turn + 1 == limits.max_turns:
                     ep.cut = "max_turns"
                     continue
-                new = []
-                for m in out.messages:
-                    m, cut = capped(tokenizer, m, limits.env_tokens)
-                    new.append(m)
-                    ep.env_truncated += cut
+                new, cut = capped_turn(tokenizer, out.messages, limits.env_tokens, overhead)
+                ep.env_truncated += cut
                 # the history before this reply: delta_text renders it with a placeholder reply
                 delta = tokenizer(delta_text(tokenizer, ep.messages[:-1], new, end_text), add_special_tokens=False)["input_ids"]
                 tails[i].append((delta, False, None, None))
@@ -230,17 +266,23 @@ class EpisodeRunner:
     limits: Limits
     eos: list[int]
     device: torch.device | str = "cpu"  # where the rows go (the trainer's device)
+    steps: ProcessSteps | ThreadSteps | None = None  # the run's step workers (None: a single-turn task)
 
     def __call__(self, engine, examples: list[Example], *, group_size: int, seed: int, first_prompt: int,
                  sampling: Sampling, greedy: bool = False) -> tuple[Rollout, list[Episode]]:
         return run_episodes(engine, self.env, self.tokenizer, examples, group_size=group_size, seed=seed,
                             first_prompt=first_prompt, sampling=sampling, limits=self.limits, eos=self.eos,
-                            greedy=greedy, device=self.device)
+                            greedy=greedy, device=self.device, steps=self.steps)
+
+    def counts(self) -> dict[str, int]:
+        """The step workers' gauge for the step's rollout/ metrics: abandoned steps still running (threads)."""
+        return {"max_env_abandoned": self.steps.abandoned if self.steps is not None else 0}
 
 
 def episode_runner(cfg, env, tokenizer, eos: list[int], device: torch.device | str = "cpu") -> EpisodeRunner:
     """The runner of a config's environment (a single-turn task: `OneTurn(task)`, one reply of at most
-    max_new_tokens); checks the chat template first for more than one turn (one ConfigError line)."""
+    max_new_tokens), with its step workers (env_isolation, env_workers; the pool's processes start at the
+    first step); checks the chat template first for more than one turn (one ConfigError line)."""
     if isinstance(env, OneTurn):
         turns, budget = 1, cfg.max_new_tokens
     else:
@@ -250,7 +292,8 @@ def episode_runner(cfg, env, tokenizer, eos: list[int], device: torch.device | s
                     env_tokens=cfg.max_env_tokens, env_timeout=cfg.env_timeout)
     if turns > 1:
         check_template(tokenizer, tokenizer.decode([eos[0]]) if eos else tokenizer.eos_token)
-    return EpisodeRunner(env, tokenizer, limits, eos, device)
+    steps = None if isinstance(env, OneTurn) else env_steps(cfg.env_isolation, env, cfg.env_workers)
+    return EpisodeRunner(env, tokenizer, limits, eos, device, steps)
 
 
 def one_turn(engine, tokenizer, messages: list[list[dict[str, str]]], *, group_size: int, seed: int,
@@ -273,4 +316,6 @@ def episode_counts(episodes: list[Episode]) -> dict[str, int]:
             "max_turns_seen": max((ep.replies for ep in episodes), default=0),
             "tool_calls": sum(ep.tool_calls for ep in episodes), "tool_errors": sum(ep.tool_errors for ep in episodes),
             "env_tokens": sum(ep.env_tokens for ep in episodes), "env_truncated": sum(ep.env_truncated for ep in episodes),
-            "env_errors": sum(ep.cut == "env_error" for ep in episodes), **cuts}
+            "env_errors": sum(ep.cut == "env_error" for ep in episodes),
+            "env_timeouts": sum(ep.cut == "env_error" and (ep.error or "").startswith(TIMEOUT) for ep in episodes),
+            **cuts}

@@ -11,6 +11,12 @@ call is `<name>argument</name>` in a reply (`find_tool_call`), its result goes b
 The token ids of the trajectory are the rollout's business (rollout/episodes.py), never the
 environment's: it sees texts only.
 
+`step` runs in a step worker (tasks/workers.py, config env_isolation): by default in another process,
+on a copy of the environment, with the episode sent along; what comes back is the Turn and
+`episode.state`, so a step keeps what it learns there (not on `self`, not elsewhere on the episode). A
+step that raises, overruns env_timeout or returns anything but a Turn of messages ends its episode with
+reward 0 (counted), as does a `reset` that does not return messages.
+
 How it maps onto other tools' environments: TRL's `environment_factory` builds one environment per
 rollout whose `step`/tool methods answer each reply, as `step` does here; verifiers'
 `MultiTurnEnv.env_response(messages, state) -> (messages, state)` is `step` returning `Turn(messages)`,
@@ -19,6 +25,7 @@ and its `is_completed` is `Turn(None)`; its rubric is `reward`.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,10 +56,10 @@ class Episode:
     tool_calls: int = 0
     tool_errors: int = 0
     env_tokens: int = 0  # environment-message tokens appended (after the cap)
-    env_truncated: int = 0  # environment messages cut at max_env_tokens
+    env_truncated: int = 0  # environment messages cut or dropped at the per-turn cap (max_env_tokens)
     done: bool = False  # the environment ended it (Turn(None))
     cut: str | None = None  # or a limit did: "max_turns", "episode_tokens", "reply_tokens", "env_error"
-    error: str | None = None  # what the environment raised (or "timeout"), with cut == "env_error"
+    error: str | None = None  # what the environment raised, returned wrongly or "timeout after …", with cut == "env_error"
 
     first: int = 0  # how many of `messages` came from reset (the prompt)
 
@@ -120,6 +127,40 @@ class Environment:
 
 def is_environment(task: Any) -> bool:
     return bool(getattr(task, "is_environment", False))
+
+
+def checked_messages(value: Any, what: str) -> list[dict[str, str]]:
+    """`value` if it is a list of chat messages (dicts with text `role` and `content`), else TypeError
+    naming `what` returned it (an environment's values are the user's code: they are checked, not trusted)."""
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{what} returned {type(value).__name__}, not a list of messages")
+    for m in value:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise TypeError(f"{what} returned a message that is not a dict with text role and content: {m!r}"[:300])
+    return list(value)
+
+
+def checked_turn(value: Any) -> Turn:
+    """A step's return value as a Turn, or TypeError/ValueError saying what is wrong with it."""
+    if not isinstance(value, Turn):
+        raise TypeError(f"step returned {type(value).__name__}, not a Turn")
+    messages = None if value.messages is None else checked_messages(value.messages, "step")
+    if not isinstance(value.parts, dict):
+        raise TypeError(f"step returned Turn.parts of type {type(value.parts).__name__}, not a dict")
+    parts = {}
+    for name, v in value.parts.items():
+        if not isinstance(name, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"step returned a reward part that is not a finite number: {name!r}: {v!r}"[:300])
+        parts[name] = float(v)
+    counts = (value.tool_calls, value.tool_errors)
+    if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
+        raise TypeError(f"step returned tool_calls/tool_errors {counts!r}, not counts")
+    return Turn(messages, parts, *counts)
+
+
+def call_step(env: Any, episode: Episode, reply: str) -> Turn:
+    """env.step with its return value checked (what a step worker or thread runs)."""
+    return checked_turn(env.step(episode, reply))
 
 
 TOOL_CALL = re.compile(r"<(?P<name>[A-Za-z_][A-Za-z0-9_]*)>(?P<arg>.*?)</(?P=name)>", re.DOTALL)

@@ -129,7 +129,7 @@ def score_drawn(run: Run, d: Drawn, step: int) -> Sampled:
     counts = {"prompts_skipped": d.skipped, "prompts_truncated": out.prompts_truncated}
     if d.episodes is not None:
         scores = score_episodes(run.task, d.episodes, strict=cfg.strict_rewards, where=f"step {step}")
-        counts = add_counts(counts, episode_counts(d.episodes))
+        counts = add_counts(counts, episode_counts(d.episodes) | run.episodes.counts())
     else:
         scores = score(run.task, owners, out.texts, strict=cfg.strict_rewards, where=f"step {step}")
     counts["reward_errors"] = scores.errors
@@ -328,7 +328,8 @@ def step_record(run: Run, g: Gathered, adv: torch.Tensor, stats: UpdateStats, tr
 
 def episode_means(counts: dict[str, int]) -> dict[str, float]:
     """Environments: per-episode means of turns, tool calls, tool errors and environment tokens, and the
-    most turns any episode took (turns_max); the cut_* and env_* counts stay counts. Async: the rows' mean
+    most turns any episode took (turns_max); the cut_* and env_* counts stay counts (env_abandoned: the most
+    abandoned steps still running on a rank's threads). Async: the rows' mean
     and largest policy lag (policy_lag, policy_lag_max)."""
     if "policy_lag_rows" in counts:
         counts["policy_lag"] = counts.pop("policy_lag_sum") / max(counts.pop("policy_lag_rows"), 1)
@@ -339,6 +340,8 @@ def episode_means(counts: dict[str, int]) -> dict[str, float]:
     for key in ("turns", "tool_calls", "tool_errors", "env_tokens"):
         counts[key] = counts[key] / n
     counts["turns_max"] = counts.pop("max_turns_seen")
+    if "max_env_abandoned" in counts:
+        counts["env_abandoned"] = counts.pop("max_env_abandoned")
     return counts
 
 

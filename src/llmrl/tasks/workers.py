@@ -1,0 +1,439 @@
+"""Where environment steps run, and how a step that never returns is stopped (config: env_isolation).
+
+    steps = env_steps("process", env, workers=4)     # one per run (its EpisodeRunner), reused every turn
+    results = steps.run([(episode, reply), ...], timeout)   # per job: the checked Turn, or why it failed
+
+The steps of one turn's live episodes run at once, on up to `workers` workers. A step that raises, returns
+something that is not a Turn, or overruns `timeout` seconds fails its job (a text; the episode ends with
+`env_error`, reward 0, counted in rollout/env_errors, overruns also in rollout/env_timeouts); `run` never
+raises for what the environment does, except when the environment cannot run this way at all (ConfigError)
+or, with threads, when too many overrunning steps are still alive (EnvStuck).
+
+process (the default): `workers` worker processes each hold a copy of the environment, pickled when the
+pool first runs (after a resume's load_state_dict). Each job sends the episode with the reply; the worker
+runs env.step on it and sends back the Turn and the episode's new `state`, which the trainer's Episode
+takes. So the trainer's objects stay the only ones that matter: reset, start, reward, correct, evaluate,
+prompt sampling and the checkpointed state_dict run on the trainer's environment, and what a step changes
+on the environment object itself stays in its worker (keep per-episode state in `episode.state`). An
+overrunning step is killed with its worker's process group (SIGKILL: no thread left running, no CPU spent
+on it afterwards, subprocesses of the environment included) and a fresh worker replaces it; a step that
+kills its worker fails the same way. Workers end with the trainer (killed at exit, and they kill
+themselves if the trainer dies).
+
+thread: the steps run on daemon threads of the trainer, on the trainer's own environment and episodes
+(nothing is pickled: for an environment that cannot be copied into another process, e.g. a class defined
+in `__main__` or one holding a live socket or client). Python cannot stop a thread: an overrunning step
+is abandoned and keeps running (a busy loop keeps a core busy and takes GIL time from the trainer), so at
+most ABANDONED_CAP abandoned steps may be alive at once, and one more stops the run with one line
+(EnvStuck: the last step learned is saved). They never delay exit (daemon threads). rollout/env_abandoned
+logs how many are alive. Steps of one turn run concurrently on the same environment object: its step
+must not change shared attributes without a lock.
+
+Why process is the default: only a process can be stopped, so only then does env_timeout bound what an
+environment costs (a step with `while True: pass` is one killed process, not a core lost for the rest of
+the run), and a step that crashes the interpreter (a segfault in an extension, os._exit) costs one episode
+instead of the run. The price is a pickle of the episode per step (small: texts and the state) and one
+process per worker (a Python interpreter plus the environment's imports); an environment that cannot be
+pickled is refused at start with a line saying to set env_isolation: thread.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import os
+import pickle
+import queue
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from typing import Any
+
+from llmrl.errors import ConfigError, EngineDied
+from llmrl.tasks.env import Episode, Turn, call_step
+
+ISOLATIONS = ("process", "thread")
+ABANDONED_CAP = 4  # thread mode: overrunning steps that may still be running before the run stops
+STARTUP_LIMIT = 300.0  # seconds a worker may take to import the environment's code and unpickle it
+TIMEOUT = "timeout after"  # how an overrun's error text starts (episode_counts counts these)
+HEADER = struct.Struct(">Q")  # frames: 8-byte length, then a pickle
+READY = ("ready",)
+
+Job = tuple[Episode, str]  # (episode, reply)
+Result = Turn | str  # the step's checked Turn, or why the step failed
+
+
+class EnvStuck(EngineDied):
+    """Thread mode: more overrunning steps are still running than ABANDONED_CAP. The loop handles it as a
+    dead engine: it saves the last step learned and stops with one line."""
+
+
+def env_steps(isolation: str, env: Any, workers: int) -> ProcessSteps | ThreadSteps:
+    """The step runner of a run: `process` workers or daemon `thread`s (see the module docstring)."""
+    if isolation == "process":
+        return ProcessSteps(env, workers)
+    if isolation == "thread":
+        return ThreadSteps(env, workers)
+    raise ConfigError(f"env_isolation={isolation!r}: must be one of {', '.join(ISOLATIONS)}")
+
+
+def error_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:300]
+
+
+# ----------------------------------------------------------------------------- threads
+
+
+class _ThreadJob:
+    def __init__(self, episode: Episode, reply: str) -> None:
+        self.episode, self.reply = episode, reply
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.started: float | None = None  # when a thread took it
+        self.thread: threading.Thread | None = None
+        self.result: Result | None = None
+        self.abandoned = False
+
+
+class ThreadSteps:
+    """Steps on up to `workers` daemon threads of the trainer; overrunning ones are abandoned (at most
+    ABANDONED_CAP alive at once, else EnvStuck)."""
+
+    abandoned_cap = ABANDONED_CAP
+
+    def __init__(self, env: Any, workers: int) -> None:
+        self.env, self.n = env, max(1, workers)
+        self.queue: queue.SimpleQueue[_ThreadJob | None] = queue.SimpleQueue()
+        self.serving = 0  # threads taking jobs from the queue
+        self.stuck: list[threading.Thread] = []  # threads of abandoned steps
+        self.lock = threading.Lock()
+
+    @property
+    def abandoned(self) -> int:
+        """Abandoned steps still running."""
+        self.stuck = [t for t in self.stuck if t.is_alive()]
+        return len(self.stuck)
+
+    def _serve(self) -> None:
+        while (job := self.queue.get()) is not None:
+            with job.lock:
+                job.started, job.thread = time.monotonic(), threading.current_thread()
+            try:
+                result: Result = call_step(self.env, job.episode, job.reply)
+            except BaseException as e:  # noqa: BLE001 - a user's environment may raise anything
+                result = error_text(e)
+            with job.lock:
+                if job.abandoned:
+                    return  # its replacement serves in its place
+                job.result = result
+                job.done.set()
+
+    def _add_thread(self) -> None:
+        threading.Thread(target=self._serve, name="llmrl-env-step", daemon=True).start()
+        self.serving += 1
+
+    def run(self, jobs: list[Job], timeout: float) -> list[Result]:
+        with self.lock:
+            while self.serving < min(self.n, len(jobs)):
+                self._add_thread()
+            pending = [_ThreadJob(ep, reply) for ep, reply in jobs]
+            for job in pending:
+                self.queue.put(job)
+            for job in pending:  # taken in order: a later job's deadline is checked when its turn comes
+                while not job.done.is_set():
+                    if job.started is None:
+                        job.done.wait(0.01)  # still queued behind others
+                        continue
+                    if not job.done.wait(job.started + timeout - time.monotonic()):
+                        with job.lock:
+                            if not job.done.is_set():
+                                job.abandoned, job.result = True, f"{TIMEOUT} {timeout:g} s (step abandoned on its thread)"
+                                self.stuck.append(job.thread)  # type: ignore[arg-type]
+                                self.serving -= 1
+                                self._add_thread()
+                        break
+            alive = self.abandoned
+        if alive > self.abandoned_cap:
+            raise EnvStuck(f"{alive} environment steps overran env_timeout={timeout:g} s and are still running on "
+                           f"threads (env_isolation=thread cannot stop them; at most {self.abandoned_cap}): fix the "
+                           "environment's step, or use env_isolation=process (its steps are killed)")
+        return [job.result for job in pending]  # type: ignore[misc]
+
+    def close(self) -> None:
+        with self.lock:
+            for _ in range(self.serving):
+                self.queue.put(None)
+            self.serving = 0
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+def write_frame(out, data: bytes) -> None:
+    out.write(HEADER.pack(len(data)) + data)
+    out.flush()
+
+
+def read_frame(stream) -> bytes | None:
+    head = stream.read(HEADER.size)
+    if len(head) < HEADER.size:
+        return None
+    (n,) = HEADER.unpack(head)
+    data = stream.read(n)
+    return data if len(data) == n else None
+
+
+def _load_modules(modules: list[tuple[str, str | None]]) -> None:
+    """Import the environment's modules as the trainer has them: by name where that name finds the same
+    file, else from the file itself (a `--task file.py:Name` module is not on any path)."""
+    for name, file in modules:
+        if name in sys.modules:
+            continue
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        if file is None or (spec is not None and spec.origin and _same_file(spec.origin, file)):
+            importlib.import_module(name)
+            continue
+        spec = importlib.util.spec_from_file_location(name, file)
+        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        sys.modules[name] = module
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # "built-in", "frozen", a file gone
+        return False
+
+
+def _watch_parent(parent: int) -> None:
+    """End this worker (and what its environment started) when the trainer is gone, however it died."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os.killpg(0, signal.SIGKILL)
+
+
+def _worker_main() -> None:
+    """A step worker (`python -c ...`, its own process group): a boot frame (sys.path, the modules to
+    import, the pickled environment), then jobs (episode, reply) → ("ok", Turn, episode.state) |
+    ("error", text) | ("unpicklable", text), one frame each, on the stdin/stdout pipes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    jobs = sys.stdin.buffer
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # what the environment prints goes to stderr, not into the replies
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    boot = read_frame(jobs)
+    if boot is None:
+        return
+    try:
+        path, modules, env_bytes = pickle.loads(boot)
+        sys.path[:] = path
+        _load_modules(modules)
+        env = pickle.loads(env_bytes)
+    except BaseException as e:  # noqa: BLE001 - the environment's code may fail to import in any way
+        write_frame(replies, pickle.dumps(("failed", error_text(e))))
+        return
+    write_frame(replies, pickle.dumps(READY))
+    while (frame := read_frame(jobs)) is not None:
+        try:
+            episode, reply = pickle.loads(frame)
+            turn = call_step(env, episode, reply)
+            out: tuple = ("ok", turn, episode.state)
+        except BaseException as e:  # noqa: BLE001 - a user's environment may raise anything
+            out = ("error", error_text(e))
+        try:
+            data = pickle.dumps(out)
+        except Exception as e:  # noqa: BLE001 - the state may hold anything
+            data = pickle.dumps(("unpicklable", f"the episode's state cannot be pickled back: {error_text(e)}"))
+        write_frame(replies, data)
+
+
+WORKER_COMMAND = "from llmrl.tasks.workers import _worker_main; _worker_main()"
+
+
+class _Worker:
+    """One worker process and the job it is running."""
+
+    def __init__(self, boot: bytes) -> None:
+        self.process = subprocess.Popen([sys.executable, "-c", WORKER_COMMAND], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, start_new_session=True)
+        self.fd = self.process.stdout.fileno()  # type: ignore[union-attr]
+        self.buffer = b""
+        self.job: tuple[int, float] | None = None  # (job index, when it was sent)
+        self.started = time.monotonic()
+        self.ready = False  # set when READY arrives; no job is sent before
+        try:
+            self.send(boot)
+        except OSError:
+            pass  # it died at once: seen as its end of file
+
+    def send(self, data: bytes) -> None:
+        write_frame(self.process.stdin, data)
+
+    def receive(self) -> list[Any]:
+        """The frames that have arrived whole; EOFError if the worker has died."""
+        chunk = os.read(self.fd, 1 << 20)
+        if not chunk:
+            raise EOFError
+        self.buffer += chunk
+        frames = []
+        while len(self.buffer) >= HEADER.size:
+            (n,) = HEADER.unpack_from(self.buffer)
+            if len(self.buffer) < HEADER.size + n:
+                break
+            frames.append(pickle.loads(self.buffer[HEADER.size: HEADER.size + n]))
+            self.buffer = self.buffer[HEADER.size + n:]
+        return frames
+
+    def died(self) -> str:
+        try:
+            code = self.process.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            code = None
+        return "the environment worker died" + ("" if code is None else f" (exit code {code})")
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # the group: what the environment started dies too
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.process.wait(timeout=10)
+        for pipe in (self.process.stdin, self.process.stdout):
+            try:
+                pipe.close()  # type: ignore[union-attr]
+            except OSError:
+                pass
+
+
+class ProcessSteps:
+    """Steps in up to `workers` worker processes, each with a copy of the environment; a step that
+    overruns is killed with its worker, which is replaced. Thread-safe (one run at a time)."""
+
+    abandoned = 0  # a killed step leaves nothing running
+
+    def __init__(self, env: Any, workers: int) -> None:
+        self.env, self.n = env, max(1, workers)
+        self.workers: list[_Worker] = []
+        self.lock = threading.Lock()
+        self.boot: bytes | None = None
+        self._boot_frame()  # refuse an environment that cannot be pickled now, not at the first step
+        self.boot = None  # the copy the workers get is taken at the first run (after a resume's load_state_dict)
+        _POOLS.add(self)
+
+    def _boot_frame(self) -> bytes:
+        cls = type(self.env)
+        hint = "set env_isolation: thread to run its steps in the trainer"
+        if cls.__module__ == "__main__":
+            raise ConfigError(f"environment {cls.__qualname__} is defined in __main__, so a step worker process cannot "
+                              f"import it: define it in a module or file, or {hint}")
+        modules = [(c.__module__, getattr(sys.modules.get(c.__module__), "__file__", None))
+                   for c in reversed(cls.__mro__) if c.__module__ not in ("builtins", "__main__")]
+        try:
+            env_bytes = pickle.dumps(self.env)
+        except Exception as e:  # noqa: BLE001 - whatever pickle refuses
+            raise ConfigError(f"environment {cls.__qualname__} cannot be pickled into a step worker process "
+                              f"({error_text(e)}): {hint}") from None
+        return pickle.dumps((list(sys.path), list(dict.fromkeys(modules)), env_bytes))
+
+    def _start(self) -> _Worker:
+        if self.boot is None:
+            self.boot = self._boot_frame()
+        return _Worker(self.boot)
+
+    def _replace(self, worker: _Worker) -> None:
+        worker.kill()
+        self.workers[self.workers.index(worker)] = self._start()
+
+    def run(self, jobs: list[Job], timeout: float) -> list[Result]:
+        """Per job its Turn (the episode's `state` is the worker's after the step) or why it failed. A
+        job's time counts from when it is sent to a ready worker (one that has its environment)."""
+        results: list[Result | None] = [None] * len(jobs)
+        with self.lock:
+            while len(self.workers) < min(self.n, len(jobs)):
+                self.workers.append(self._start())
+            todo = deque(range(len(jobs)))
+            while todo or any(w.job for w in self.workers):
+                for w in self.workers:
+                    if w.ready and w.job is None and todo:
+                        i = todo.popleft()
+                        try:
+                            data = pickle.dumps(jobs[i])
+                        except Exception as e:  # noqa: BLE001 - the state may hold anything
+                            raise ConfigError(f"an episode's state ({type(jobs[i][0].state).__name__}) cannot be "
+                                              f"pickled to a step worker process ({error_text(e)}): set "
+                                              "env_isolation: thread to run steps in the trainer") from None
+                        try:
+                            w.send(data)
+                            w.job = (i, time.monotonic())
+                        except OSError:
+                            results[i] = w.died()
+                            self._replace(w)
+                waiting = [w for w in self.workers if w.job or (not w.ready and todo)]
+                if not waiting:
+                    continue
+                deadline = min(w.job[1] + timeout if w.job else w.started + STARTUP_LIMIT for w in waiting)
+                readable, _, _ = select.select([w.fd for w in waiting], [], [], max(0.0, deadline - time.monotonic()))
+                for w in waiting:
+                    if w.fd in readable:
+                        try:
+                            frames = w.receive()
+                        except Exception:  # noqa: BLE001 - died (end of file) or sent what cannot be unpickled here
+                            self._fail(w, todo, results, w.died())
+                            continue
+                        for frame in frames:
+                            self._take(w, frame, jobs, results)
+                    elif w.job and time.monotonic() - w.job[1] >= timeout:
+                        results[w.job[0]] = f"{TIMEOUT} {timeout:g} s (its worker process was killed)"
+                        self._replace(w)
+                    elif not w.ready and time.monotonic() - w.started >= STARTUP_LIMIT:
+                        self._fail(w, todo, results, f"the environment worker was not ready after {STARTUP_LIMIT:.0f} s")
+        return results  # type: ignore[return-value]
+
+    def _take(self, w: _Worker, frame: tuple, jobs: list[Job], results: list[Result | None]) -> None:
+        if frame == READY:
+            w.ready = True
+        elif frame[0] == "failed":
+            raise ConfigError(f"environment {type(self.env).__qualname__} cannot be rebuilt in a step worker process "
+                              f"({frame[1]}): set env_isolation: thread to run its steps in the trainer")
+        elif frame[0] == "unpicklable":
+            raise ConfigError(f"{frame[1]}: set env_isolation: thread to run the environment's steps in the trainer")
+        elif w.job is not None:
+            i = w.job[0]
+            if frame[0] == "ok":
+                results[i] = frame[1]
+                jobs[i][0].state = frame[2]
+            else:
+                results[i] = frame[1]
+            w.job = None
+
+    def _fail(self, w: _Worker, todo: deque, results: list, why: str) -> None:
+        """A worker died or never started: its job (or, if it had none, the next queued one, so that a pool
+        whose workers cannot start still ends) gets `why`; the worker is replaced."""
+        i = w.job[0] if w.job else todo.popleft() if todo else None
+        if i is not None:
+            results[i] = why
+        self._replace(w)
+
+    def close(self) -> None:
+        with self.lock:
+            for w in self.workers:
+                w.kill()
+            self.workers = []
+
+
+_POOLS: weakref.WeakSet[ProcessSteps] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_pools() -> None:
+    for pool in list(_POOLS):
+        pool.close()
