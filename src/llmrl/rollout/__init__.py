@@ -23,9 +23,9 @@ def _vllm_server_engine(tokenizer, sampling: Sampling, cfg, plan):
 
     from llmrl.models.loading import resolve_model_path
     from llmrl.rollout.vllm_engine import kv_cache_bytes
-    from llmrl.rollout.vllm_server import VLLMServer, VLLMServerEngine, free_port, serve_command
+    from llmrl.rollout.vllm_server import VLLMServer, VLLMServerEngine, client_key, free_port, serve_command
 
-    command = None
+    command, key = None, None
     if cfg.server_url is None:
         path = resolve_model_path(cfg.model)
         from transformers import AutoConfig
@@ -36,8 +36,11 @@ def _vllm_server_engine(tokenizer, sampling: Sampling, cfg, plan):
         kv = kv_cache_bytes(path, cfg.rollout_size, max_len, plan.dtype) if plan.device.type == "cpu" else None
         command = serve_command(path, port=free_port(), lora_r=cfg.lora_r, max_loras=2, seed=cfg.seed, max_len=max_len,
                                 dtype=str(plan.dtype).removeprefix("torch."), cpu_kv_bytes=kv)
+    else:
+        key = client_key(cfg.api_key_file)  # a child server gets a fresh key of its own
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-    engine = VLLMServerEngine(tokenizer, sampling, VLLMServer(command, cfg.server_url, Path(cfg.output_dir) / "vllm-server.log"))
+    server = VLLMServer(command, cfg.server_url, Path(cfg.output_dir) / "vllm-server.log", key=key)
+    engine = VLLMServerEngine(tokenizer, sampling, server)
     atexit.register(engine.close)
     return engine
 
