@@ -49,7 +49,7 @@ def test_two_processes_equal_one(tmp_path, tiny_model_dir, one_process):
 def test_two_process_checkpoint_resumes_on_one(tmp_path, tiny_model_dir, one_process):
     out = tmp_path / "run"
     cli(*args(tiny_model_dir, out, steps=2), "--nproc", "2")
-    p = cli("train", "--resume", str(out), "--steps", "3")
+    p = cli("train", "--resume", str(out), "--steps", "3", "--trust_task_code")
     assert "resuming a 2-process checkpoint on 1 processes" not in p.stderr  # 1 process needs no per-rank streams
     assert max_diff(one_process / "checkpoints/step_000003", out / "checkpoints/step_000003") <= 1e-5
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [0, 1, 1, 2, 2, 3, 3]
@@ -58,7 +58,7 @@ def test_two_process_checkpoint_resumes_on_one(tmp_path, tiny_model_dir, one_pro
 def test_one_process_checkpoint_resumes_on_two(tmp_path, tiny_model_dir, one_process):
     out = tmp_path / "run"
     cli(*args(tiny_model_dir, out, steps=1))
-    p = cli("train", "--resume", str(out), "--steps", "3", "--nproc", "2")
+    p = cli("train", "--resume", str(out), "--steps", "3", "--nproc", "2", "--trust_task_code")
     assert "resuming a 1-process checkpoint on 2 processes" in p.stderr
     assert max_diff(one_process / "checkpoints/step_000003", out / "checkpoints/step_000003") <= 1e-5
 

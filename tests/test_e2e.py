@@ -49,7 +49,7 @@ def test_resume_continues_exactly(tmp_path, tiny_model_dir):
     full, cut = tmp_path / "full", tmp_path / "cut"
     cli(*tiny_args(tiny_model_dir, full, "grpo", steps=3))
     cli(*tiny_args(tiny_model_dir, cut, "grpo", steps=2))
-    cli("train", "--resume", str(cut), "--steps", "3")
+    cli("train", "--resume", str(cut), "--steps", "3", "--trust_task_code")
 
     train_steps = [r["step"] for r in read_jsonl(cut / "metrics.jsonl") if "reward/mean" in r]
     assert train_steps == [1, 2, 3]
@@ -84,7 +84,7 @@ def test_saved_adapter_reloads_with_plain_peft_and_gives_the_same_logits(tmp_pat
 def test_eval_command_on_a_run(tmp_path, tiny_model_dir):
     out = tmp_path / "run"
     cli(*tiny_args(tiny_model_dir, out, "reinforce", steps=1))
-    p = cli("eval", "--run", str(out), "--output", str(tmp_path / "graded.jsonl"))
+    p = cli("eval", "--run", str(out), "--output", str(tmp_path / "graded.jsonl"), "--trust_task_code")
     result = json.loads(p.stdout.strip().splitlines()[-1])
     assert result["adapter"].endswith("step_000001") and "eval/distinct" in result
     assert len(read_jsonl(tmp_path / "graded.jsonl")) == 2

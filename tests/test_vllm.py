@@ -106,7 +106,7 @@ def test_sigkill_then_resume_equals_the_uninterrupted_vllm_run(tmp_path, vllm_mo
     out = tmp_path / "run"
     p = run_cli(*vargs(vllm_model_dir, out, eval_interval=0, save_interval=2), fault="kill_in_rollout@3")
     assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
-    cli("train", "--resume", str(out))
+    cli("train", "--resume", str(out), "--trust_task_code")
     assert_same_run(vllm_reference, out, 4)
     records = train_records(vllm_reference)
     assert all(0 <= r["rollout/engine_logprob_diff"] < 1e-3 for r in records)

@@ -47,15 +47,22 @@ def load_run_config(run_dir: Path, overrides: dict[str, Any] | None = None):
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
 
-def export(path: Path, out: Path, merge: bool = False, dtype: str = "float32", check: int = 4) -> Path:
+def export(path: Path, out: Path, merge: bool = False, dtype: str = "float32", check: int = 4, task: str | None = None,
+           trust_task_code: bool = False) -> Path:
     """Write a portable adapter (or, with `merge`, a full model) of a run or checkpoint to `out`.
 
     The merge is W + s·B·A in fp32 whatever precision the run trained in (merging into bf16 weights
     rounds away small adapter deltas), then cast to `dtype`; afterwards the saved model is loaded back
     and its greedy completions of `check` eval prompts compared with the unmerged policy's (printed;
-    with dtype bfloat16/float16 the cast itself may change some)."""
+    with dtype bfloat16/float16 the cast itself may change some). The check's prompts come from `task` (default:
+    the run's; task code the run names is imported only with `trust_task_code`: tasks.check_task_code)."""
+    from llmrl.tasks import check_task_code
+
     checkpoint, run_dir = find_checkpoint(path)
     cfg = load_run_config(run_dir)
+    prompts_cfg = load_run_config(run_dir, {"task": task}) if task else cfg  # the card keeps the run's task
+    if merge and check > 0:
+        check_task_code(prompts_cfg.task, run_dir, trust_task_code or bool(task))
     if dtype not in EXPORT_DTYPES:
         raise ConfigError(f"--dtype {dtype}: must be one of {', '.join(EXPORT_DTYPES)}")
     out = Path(out)
@@ -66,7 +73,7 @@ def export(path: Path, out: Path, merge: bool = False, dtype: str = "float32", c
         import torch
 
         model, tokenizer = load_policy(dataclasses.replace(cfg, dtype="float32"), checkpoint)
-        prompts = check_prompts(cfg, check)
+        prompts = check_prompts(prompts_cfg, check)
         before = greedy_texts(model, tokenizer, prompts, cfg.max_new_tokens)
         merged = model.merge_and_unload().to(getattr(torch, dtype))
         merged.save_pretrained(out)
@@ -128,15 +135,18 @@ def load_policy(cfg, checkpoint: Path):
     return model.eval(), tokenizer
 
 
-def chat(path: Path, task: str | None = None, max_new_tokens: int = 256, lines=None, write=print) -> int:
+def chat(path: Path, task: str | None = None, max_new_tokens: int = 256, lines=None, write=print,
+         trust_task_code: bool = False) -> int:
     """Read user messages (one per line, from `lines` or stdin) and print the policy's greedy replies,
-    with the task's system prompt when it has one. Each turn is a fresh conversation."""
+    with the task's system prompt when it has one. Each turn is a fresh conversation. Task code the run
+    names is imported only with `trust_task_code` or `task` (tasks.check_task_code)."""
     from llmrl.config import resolve
     from llmrl.rollout import make_engine
-    from llmrl.tasks import task_from_config
+    from llmrl.tasks import check_task_code, task_from_config
 
     checkpoint, run_dir = find_checkpoint(path)
     cfg = load_run_config(run_dir, {"task": task} if task else {})
+    check_task_code(cfg.task, run_dir, trust_task_code or bool(task))
     model, tokenizer = load_policy(cfg, checkpoint)
     system = None
     try:
@@ -158,6 +168,8 @@ def chat(path: Path, task: str | None = None, max_new_tokens: int = 256, lines=N
 
 
 def add_export_parsers(sub) -> None:
+    from llmrl.cli import TRUST_HELP
+
     ex = sub.add_parser("export", help="write a portable adapter or a merged model with a model card",
                         description="Export a run's newest checkpoint (or a given checkpoint) for use outside llmrl.")
     ex.add_argument("path", metavar="RUN_OR_CHECKPOINT")
@@ -166,18 +178,23 @@ def add_export_parsers(sub) -> None:
                     help="merge the adapter into the base weights: a full Hugging Face model (AutoModelForCausalLM)")
     ex.add_argument("--dtype", default="float32", choices=EXPORT_DTYPES,
                     help="weights of the merged model (merged in fp32 first; bf16/fp16 round W + ΔW and may lose small deltas)")
+    ex.add_argument("--task", help="the task whose eval prompts check the merge (default: the run's)")
+    ex.add_argument("--trust_task_code", action="store_true", help=TRUST_HELP)
     ch = sub.add_parser("chat", help="talk to a trained policy in the terminal",
                         description="Greedy replies of a run's policy, with its task's system prompt.")
     ch.add_argument("path", metavar="RUN_OR_CHECKPOINT")
     ch.add_argument("--task", help="use this task's system prompt instead of the run's")
+    ch.add_argument("--trust_task_code", action="store_true", help=TRUST_HELP)
     ch.add_argument("--max_new_tokens", type=int, default=256)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    out = export(Path(args.path), Path(args.out), merge=args.merge, dtype=args.dtype)
+    out = export(Path(args.path), Path(args.out), merge=args.merge, dtype=args.dtype, task=args.task,
+                 trust_task_code=args.trust_task_code)
     print(f"llmrl export: {'merged model' if args.merge else 'adapter'} written to {out}")
     return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    return chat(Path(args.path), task=args.task, max_new_tokens=args.max_new_tokens)
+    return chat(Path(args.path), task=args.task, max_new_tokens=args.max_new_tokens,
+                trust_task_code=args.trust_task_code)

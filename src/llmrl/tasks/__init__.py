@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from llmrl.errors import UserError
 from llmrl.tasks.base import Example, Reward, Task
 from llmrl.tasks.calculator import CalculatorEnv
 from llmrl.tasks.custom import REWARD_FUNCTIONS, FunctionTask, build_custom, register_reward
@@ -61,5 +62,37 @@ def is_task_name(name: str) -> bool:
     return bool(sep and module and attr.isidentifier())
 
 
-__all__ = ["TASKS", "register_env", "Environment", "Episode", "Turn", "is_environment", "Example", "FunctionTask", "is_task_name", "Reward", "Task", "make_task", "register_reward",
+def is_task_code(task: str) -> bool:
+    """A `file.py:Name` or `module:Name` spec that is not a registered name: loading it runs code."""
+    module, sep, _ = task.rpartition(":")
+    return bool(sep and module) and task not in TASKS and task not in REWARD_FUNCTIONS
+
+
+def resume_command(task: str, run_dir: Path | str) -> str:
+    """The command a stop line tells the user to resume with (with --trust_task_code when the task is code:
+    the run is the user's own)."""
+    return f"llmrl train --resume {run_dir}" + (" --trust_task_code" if is_task_code(task) else "")
+
+
+def check_task_code(task: str, run_dir: Path | str, trusted: bool) -> None:
+    """Refuse to import the task code that a run directory names, unless `trusted` (--trust_task_code, or
+    the task named again with --task): every command that loads a run directory or one of its checkpoints
+    (`eval --run/--adapter`, `export --merge`, `chat`, `train --resume`) calls this before building the task.
+
+    What a run directory holds is data, except its task. config.yaml's values, the checkpoint (safetensors
+    weights; optimizer and RNG state loaded with `weights_only=True`, so nothing is unpickled into code;
+    JSON trainer state), the `prompts` file and `math_data` (JSONL or Parquet rows) are only read, and the
+    base model is loaded without `trust_remote_code`. Code is a `task` that is not a registered name:
+    `file.py:Name` executes that file and `package.module:Name` imports that module, then constructs the
+    class or calls the function on every completion. `llmrl train --config FILE` runs the task code its
+    own config names (the user chose that file); a run directory someone hands you does not run code
+    without --trust_task_code, as a Hugging Face model does not without trust_remote_code."""
+    if trusted or not is_task_code(task):
+        return
+    kind = "a file" if task.rpartition(":")[0].endswith(".py") else "a module"
+    raise UserError(f"run dir {run_dir} names task code {task!r} ({kind} it would import); pass --trust_task_code "
+                    "to run it, or name the task again with --task")
+
+
+__all__ = ["TASKS", "check_task_code", "is_task_code", "resume_command", "register_env", "Environment", "Episode", "Turn", "is_environment", "Example", "FunctionTask", "is_task_name", "Reward", "Task", "make_task", "register_reward",
            "task_from_config"]
