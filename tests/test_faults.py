@@ -27,7 +27,7 @@ STEPS = 4
 
 
 def args(model, out, steps=STEPS, **extra):
-    return tiny_args(model, out, "grpo", steps=steps, eval_interval=0, **extra)
+    return tiny_args(model, out, "grpo", steps=steps, **{"eval_interval": 0, **extra})
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tiny_model_dir, refe
     out = tmp_path / "run"
     p = run_cli(*args(tiny_model_dir, out, save_interval=save_interval), fault=fault)
     assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
-    cli("train", "--resume", str(out))
+    cli("train", "--resume", str(out), "--trust_task_code")
     assert_same_run(reference, out, STEPS)
     assert not list((out / "checkpoints").glob(".tmp-*"))
 
@@ -66,7 +66,7 @@ def test_sigterm_finishes_the_step_saves_and_resumes(tmp_path, tiny_model_dir, r
     assert "resume with: llmrl train --resume" in err
     stopped_at = train_records(out)[-1]["step"]
     assert stopped_at < STEPS and (out / "checkpoints" / f"step_{stopped_at:06d}").is_dir()
-    cli("train", "--resume", str(out))
+    cli("train", "--resume", str(out), "--trust_task_code")
     assert_same_run(reference, out, STEPS)
 
 
@@ -88,20 +88,61 @@ def test_second_signal_exits_at_once_and_leaves_a_resumable_run(tmp_path, tiny_m
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert latest_checkpoint(out) is not None
-    cli("train", "--resume", str(out), "--steps", str(STEPS))
+    cli("train", "--resume", str(out), "--steps", str(STEPS), "--trust_task_code")
     assert_same_run(reference, out, STEPS)
 
 
-def test_full_disk_while_saving_keeps_the_previous_checkpoint(tmp_path, tiny_model_dir, reference):
+@pytest.mark.parametrize("fault, reason", [
+    ("enospc_in_save@2", "No space left on device"),
+    ("enospc_in_adapter@2", "No space left on device"),  # safetensors' SafetensorError, not an OSError
+    ("eio_in_save@2", "Input/output error"),
+    ("eio_in_latest@2", "Input/output error"),  # step 2 is complete, but `latest` still names step 1
+])
+def test_a_failed_write_while_saving_keeps_the_previous_checkpoint(tmp_path, tiny_model_dir, reference, fault, reason):
     out = tmp_path / "run"
-    p = run_cli(*args(tiny_model_dir, out, save_interval=1), fault="enospc_in_save@2")
-    assert p.returncode == 1
-    line = p.stderr.strip().splitlines()[-1]
-    assert "could not write the checkpoint of step 2: No space left on device" in line and "step_000001" in line
-    assert latest_checkpoint(out).name == "step_000001"
+    p = run_cli(*args(tiny_model_dir, out, save_interval=1), fault=fault)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    previous = out / "checkpoints" / "step_000001"
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"llmrl: stopped: could not write the checkpoint of step 2: {reason}; the previous checkpoint ({previous}) is "
+        f"intact: fix the cause and run `llmrl train --resume {out} --trust_task_code`")  # toy_task is code
+    assert latest_checkpoint(out) == previous and verify_checkpoint(previous) is None
     assert not list((out / "checkpoints").glob(".tmp-*"))
-    cli("train", "--resume", str(out))
+    cli("train", "--resume", str(out), "--trust_task_code")
     assert_same_run(reference, out, STEPS)
+
+
+@pytest.mark.parametrize("fault, file, reason", [
+    ("enospc_in_log@2", "metrics.jsonl", "No space left on device"),  # half of step 2's line is written
+    ("eio_in_samples@2", "samples.jsonl", "Input/output error"),
+])
+def test_a_failed_log_write_saves_the_step_and_stops(tmp_path, tiny_model_dir, reference, fault, file, reason):
+    out = tmp_path / "run"
+    p = run_cli(*args(tiny_model_dir, out, save_interval=100), fault=fault)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    saved = out / "checkpoints" / "step_000002"
+    assert p.stderr.strip().splitlines()[-1] == (f"llmrl: stopped: could not write {out / file}: {reason}; checkpoint "
+                                                 f"{saved} (step 2); resume with: llmrl train --resume {out} --trust_task_code")
+    assert latest_checkpoint(out) == saved and verify_checkpoint(saved) is None
+    cli("train", "--resume", str(out), "--trust_task_code")
+    if file == "samples.jsonl":
+        assert_same_run(reference, out, STEPS)
+        return
+    assert [r["step"] for r in train_records(out)] == [1, 3, 4]  # step 2's record went with the disk, nothing else
+    a, b = lora_tensors(reference / "checkpoints" / "step_000004"), lora_tensors(out / "checkpoints" / "step_000004")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+
+
+def test_a_failed_report_write_saves_the_step_and_stops(tmp_path, tiny_model_dir):
+    out = tmp_path / "run"
+    p = run_cli(*args(tiny_model_dir, out, steps=2, save_interval=100, eval_interval=1, eval_n=2), fault="eio_in_report@2")
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    saved = out / "checkpoints" / "step_000001"  # the report after eval 0 was written, the one after step 1 not
+    assert p.stderr.strip().splitlines()[-1] == (f"llmrl: stopped: could not write {out / 'report.html'}: Input/output "
+                                                 f"error; checkpoint {saved} (step 1); resume with: llmrl train --resume {out} --trust_task_code")
+    assert verify_checkpoint(saved) is None
+    cli("train", "--resume", str(out), "--trust_task_code")
+    assert [r["step"] for r in train_records(out)] == [1, 2]
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
@@ -120,7 +161,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, refe
     else:
         target.unlink()
     assert verify_checkpoint(target.parent) is not None
-    p = cli("train", "--resume", str(out))
+    p = cli("train", "--resume", str(out), "--trust_task_code")
     assert "step_000002 is incomplete or corrupt" in p.stderr
     assert_same_run(reference, out, STEPS)
 
@@ -152,7 +193,7 @@ def test_keep_newest_checkpoints(reference, tmp_path, tiny_model_dir):
 def test_resume_with_an_incompatible_config_names_the_fields(reference, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(reference, out)
-    p = run_cli("train", "--resume", str(out), "--lora_r", "8", "--lr", "0.5")
+    p = run_cli("train", "--resume", str(out), "--lora_r", "8", "--lr", "0.5", "--trust_task_code")
     assert p.returncode == 2
     assert "config differs from step_000004: lr (0.01 → 0.5), lora_r (4 → 8)" in p.stderr
 

@@ -9,17 +9,22 @@ config) and last `manifest.json` (size and SHA-256 of every other file).
 Writing: everything goes into a temporary directory, is flushed to disk, and the directory is renamed
 into place; only then is `latest` rewritten (itself through a rename). A kill at any moment leaves
 either the old or the new checkpoint complete, plus at most a `.tmp-*` directory that the next run
-removes. Loading: a checkpoint whose manifest does not match its files is reported and skipped in
-favour of the previous good one.
+removes. Every failed write (a full disk, an I/O error, safetensors' own error for either) is an OSError,
+raised after the temporary directory is gone, so the caller can stop in one line with the old checkpoint.
+Loading: a checkpoint whose manifest does not match its files is reported and skipped in favour of the
+previous good one.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import io
 import json
 import os
 import pickle
 import random
+import re
 import shutil
 import sys
 import tempfile
@@ -30,9 +35,8 @@ import numpy as np
 import torch
 
 from llmrl.errors import ConfigError
-from llmrl.run_files import CHECKPOINTS
+from llmrl.run_files import CHECKPOINTS, LATEST, candidates, fsync_path, write_atomically
 
-LATEST = "latest"
 MANIFEST = "manifest.json"
 
 
@@ -48,21 +52,34 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync(path: Path) -> None:
-    """Flush a file or directory to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _write(path: Path, data: str | bytes) -> None:
+    """One file of a checkpoint being written (flushed to disk with the others by _write_manifest)."""
+    path.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+def _torch_bytes(obj: Any) -> bytes:
+    """torch.save into memory: written to a file, it fails as an OSError naming the cause (on a full disk,
+    torch.save to a path raises a RuntimeError about stream positions)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _as_os_error(e: Exception) -> OSError:
+    """safetensors' SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    as the OSError it reports; any other of its errors as EIO with its first line."""
+    found = re.search(r"os error (\d+)", str(e))
+    if found:
+        return OSError(int(found[1]), os.strerror(int(found[1])))
+    return OSError(errno.EIO, f"safetensors: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}")
 
 
 def _write_manifest(directory: Path) -> None:
     files = sorted(p for p in directory.iterdir() if p.is_file() and p.name != MANIFEST)
     manifest = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
-    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    _write(directory / MANIFEST, json.dumps(manifest, indent=1))
     for p in [*files, directory / MANIFEST]:
-        _fsync(p)
+        fsync_path(p)
 
 
 def verify_checkpoint(path: Path) -> str | None:
@@ -119,48 +136,41 @@ def save_checkpoint(
 ) -> Path:
     """Write the checkpoint of `step` atomically, point `latest` at it, keep the newest `keep` (0: all).
     base_model: how adapter_config.json names the base (as the user gave it, not this machine's cache path);
-    card: the README.md written instead of PEFT's empty template."""
+    card: the README.md written instead of PEFT's empty template. A failed write raises OSError, with
+    `latest` still naming the previous checkpoint."""
+    from safetensors import SafetensorError
+
     final = checkpoint_dir(run_dir, step)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".tmp-step_{step:06d}-"))
     try:
-        model.save_pretrained(tmp)
+        try:
+            model.save_pretrained(tmp)
+        except SafetensorError as e:
+            raise _as_os_error(e) from None
         if base_model is not None:
             adapter_config = json.loads((tmp / "adapter_config.json").read_text())
-            (tmp / "adapter_config.json").write_text(json.dumps({**adapter_config, "base_model_name_or_path": base_model}, indent=2))
+            adapter_config["base_model_name_or_path"] = base_model
+            _write(tmp / "adapter_config.json", json.dumps(adapter_config, indent=2))
         if card is not None:
-            (tmp / "README.md").write_text(card, encoding="utf-8")
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+            _write(tmp / "README.md", card)
+        _write(tmp / "optimizer.pt", _torch_bytes(optimizer.state_dict()))
         plain, tensors = rng_state()
-        torch.save({**tensors, **(extra_rng or {}), "shuffle": generator.get_state()}, tmp / "rng.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step, "rng": plain}))
+        _write(tmp / "rng.pt", _torch_bytes({**tensors, **(extra_rng or {}), "shuffle": generator.get_state()}))
+        _write(tmp / "trainer_state.json", json.dumps({**state, "step": step, "rng": plain}))
         _write_manifest(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync(final.parent)
+        fsync_path(final.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    pointer = final.parent / f".tmp-{LATEST}"
-    pointer.write_text(final.name)
-    _fsync(pointer)
-    os.replace(pointer, final.parent / LATEST)
+    write_atomically(final.parent / LATEST, final.name)
     if keep > 0:
         for old in sorted(final.parent.glob("step_*"))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def candidates(run_dir: Path) -> list[Path]:
-    """Checkpoint directories, the one `latest` names first, then newest to oldest."""
-    root = run_dir / CHECKPOINTS
-    if not root.exists():
-        return []
-    found = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True)
-    pointer = root / LATEST
-    named = root / pointer.read_text().strip() if pointer.exists() else None
-    return ([named] if named in found else []) + [p for p in found if p != named]
 
 
 def latest_checkpoint(run_dir: Path, report=lambda msg: print(msg, file=sys.stderr)) -> Path | None:

@@ -2,25 +2,44 @@
 `eval_samples.jsonl` (appended, never overwritten), and wandb / TensorBoard when asked for (same
 metric names).
 
-Only rank 0 writes; other ranks get a logger whose methods do nothing.
+Only rank 0 writes; other ranks get a logger whose methods do nothing. A write that fails (a full disk, an
+I/O error) does not raise where it happens: the logger records it in `failed`, writes nothing more, and the
+training loop, which checks `failed` after each step's logs on every rank, saves and stops in one line.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
-from llmrl.errors import RunStopped
-from llmrl.run_files import EVAL_SAMPLES, METRICS, SAMPLES, TENSORBOARD
+from llmrl.run_files import EVAL_SAMPLES, METRICS, SAMPLES, TENSORBOARD, write_atomically
+
+
+def plain(value: Any) -> Any:
+    """NumPy and torch scalars and arrays (a custom task's reward, answers or evaluate may hold them) as Python
+    numbers and lists, through dicts, lists and tuples; anything else as it is."""
+    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
 
 
 def _clean(value: Any) -> Any:
-    """JSON has no NaN/inf: write them as null."""
+    """A value as JSON can hold it: NumPy/torch numbers as plain ones, NaN/inf (which JSON lacks) as null,
+    through dicts and lists; json.dumps writes anything else it cannot as its str()."""
+    value = plain(value)
     if isinstance(value, float) and not math.isfinite(value):
         return None
+    if isinstance(value, dict):
+        return {k if isinstance(k, (str, int, float, bool)) or k is None else str(k): _clean(v)
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_clean(v) for v in value]
     return value
 
 
@@ -38,9 +57,7 @@ def truncate_after(path: Path, step: int) -> None:
         return
     lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     kept = [line for line in lines if (s := _step_of(line)) is not None and s <= step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomically(path, "".join(line + "\n" for line in kept))
 
 
 class RunLogger:
@@ -48,6 +65,7 @@ class RunLogger:
                  project: str = "llmrl", name: str | None = None, resume_step: int | None = None,
                  use_tensorboard: bool = False):
         self.run_dir, self.enabled = run_dir, enabled
+        self.failed: str | None = None  # the first write that failed: "could not write PATH: REASON"
         self.wandb = None
         self.tensorboard = None
         if not enabled:
@@ -65,28 +83,36 @@ class RunLogger:
             self.wandb = wandb.init(project=project, name=name or run_dir.name, config=config, dir=str(run_dir),
                                     resume="allow")
 
+    def fail(self, path: Path | str, error: OSError) -> None:
+        """Record a failed write (the first one counts) and write nothing more."""
+        if self.failed is None:
+            self.failed = f"could not write {path}: {error.strerror or error}"
+
     def _append(self, file: str, rows: list[dict[str, Any]]) -> None:
-        text = "".join(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n" for row in rows)
+        text = "".join(json.dumps(_clean(row), default=str) + "\n" for row in rows)
         try:
             with open(self.run_dir / file, "a", encoding="utf-8") as f:
                 f.write(text)
         except OSError as e:
-            raise RunStopped(f"could not write {self.run_dir / file}: {e.strerror or e}; checkpoints are intact: "
-                             f"fix the cause and run `llmrl train --resume {self.run_dir}`") from None
+            self.fail(self.run_dir / file, e)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Append one metrics record for `step` (train or eval keys)."""
-        if not self.enabled:
+        if not self.enabled or self.failed:
             return
+        metrics = {k: plain(v) for k, v in metrics.items()}
         self._append(METRICS, [{"step": step, **metrics}])
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
         if self.tensorboard is not None:
-            self.tensorboard.log(metrics, step)
+            try:
+                self.tensorboard.log(metrics, step)
+            except OSError as e:
+                self.fail(self.run_dir / TENSORBOARD, e)
 
     def log_samples(self, step: int, rows: list[dict[str, Any]], eval: bool = False) -> None:
         """Append a table of completions (each row gets the step); wandb gets a table per step."""
-        if not self.enabled or not rows:
+        if not self.enabled or not rows or self.failed:
             return
         self._append(EVAL_SAMPLES if eval else SAMPLES, [{"step": step, **r} for r in rows])
         if self.wandb is not None:

@@ -32,7 +32,7 @@ from typing import Any
 import yaml
 
 from llmrl.errors import ConfigError, DataError
-from llmrl.run_files import CONFIG, EVAL_SAMPLES, METRICS, PLOTS, REPORT, SAMPLES
+from llmrl.run_files import CONFIG, DISK_ERRORS, EVAL_SAMPLES, METRICS, PLOTS, REPORT, SAMPLES
 
 # x-axis choice -> (metric that holds it, axis label, divisor applied to the values)
 X_AXES: dict[str, tuple[str, str, float]] = {
@@ -623,10 +623,13 @@ def build_report(run_dirs: list[Path], out_dir: Path, *, x_axis: str = "step", s
 
 def refresh_run_report(run_dir: Path) -> None:
     """Rewrite `run_dir/report.html` (and `run_dir/plots/`) for one run, as the trainer does at each eval.
-    Never raises: a plotting problem prints one warning line and training goes on."""
+    A plotting problem prints one warning line and training goes on; only a failing disk (OSError with an
+    errno in run_files.DISK_ERRORS) is raised, which stops the run like any other write that fails."""
     try:
         write_report([Path(run_dir)], Path(run_dir), max_samples=4)
-    except Exception as e:  # noqa: BLE001 - a report must never stop training
+    except Exception as e:  # noqa: BLE001 - a report must never stop training, but for a failing disk
+        if isinstance(e, OSError) and e.errno in DISK_ERRORS:
+            raise
         print(f"llmrl: warning: could not refresh {Path(run_dir) / REPORT}: {type(e).__name__}: {e}".splitlines()[0],
               file=sys.stderr)
 

@@ -4,7 +4,8 @@ that raises or is not a finite number is handled the same way everywhere."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from llmrl.errors import RunStopped
 from llmrl.tasks.base import Example, Reward, Task
@@ -16,10 +17,20 @@ class Scores:
     errors: int  # completions whose reward raised or was not finite (they score 0)
 
 
+def _number(value: Any) -> float | int:
+    """A NumPy or torch scalar (np.float32, np.int64, np.bool_, torch.tensor(0.5)) as the Python number it holds;
+    other numbers (Fraction, Decimal) as floats."""
+    value = value.item() if hasattr(value, "item") else value
+    return value if isinstance(value, (float, int)) else float(value)
+
+
 def _checked(r: Reward) -> Reward:
-    if not math.isfinite(float(r.total)):
+    """`r` with plain Python numbers throughout (the logs are JSON), after checking its total is finite."""
+    total = float(_number(r.total))
+    if not math.isfinite(total):
         raise ValueError(f"reward is {r.total}")
-    return r
+    return replace(r, total=total, components={str(k): float(_number(v)) for k, v in r.components.items()},
+                   counts={str(k): _number(v) for k, v in r.counts.items()})
 
 
 def score(task: Task, examples: list[Example], texts: list[str], *, strict: bool, where: str) -> Scores:

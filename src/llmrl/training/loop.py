@@ -19,8 +19,9 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from llmrl.checkpoint import checkpoint_dir, latest_checkpoint
-from llmrl.config import TrainConfig
+from llmrl.config import TrainConfig, check_resume_config, preflight
 from llmrl.errors import EngineDied, RunStopped
+from llmrl.tasks import resume_command
 from llmrl.training.run import Run, StopOnSignal, evaluate_and_log, save, setup_run
 from llmrl.training.step import DrawAhead, train_step
 
@@ -37,11 +38,16 @@ class TrainResult:
 def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> TrainResult:
     """Train a LoRA policy with `cfg`; with `resume`, continue from the newest good checkpoint of
     output_dir; with `overwrite`, replace a run already in output_dir."""
+    if resume:
+        check_resume_config(Path(cfg.output_dir))  # a damaged config.yaml: one line before anything loads
+    preflight(cfg)  # a missing vLLM, a missing model or an unreachable hub: one line, before the run directory
     run = setup_run(cfg, resume, overwrite)
     try:
         return train_run(run)
     finally:
         run.engine.close()  # vllm-server: the child server stops on every exit path (SIGKILL: its parent-death signal)
+        if run.lock is not None:
+            run.lock.release()
 
 
 def train_run(run: Run) -> TrainResult:
@@ -57,9 +63,11 @@ def train_run(run: Run) -> TrainResult:
     try:
         if run.eval_n > 0 and cfg.eval_interval > 0 and run.resumed_from is None:
             evaluate_and_log(run, 0)  # the untrained policy, for comparison
+            if logs_failed(run):
+                raise stop_with_checkpoint(run, run.logger.failed or LOGS_FAILED_ELSEWHERE)
         return loop(run, ahead)
     except EngineDied as e:
-        raise engine_died(run, e) from None
+        raise stop_with_checkpoint(run, str(e)) from None
     finally:
         if ahead is not None:
             ahead.close()
@@ -74,14 +82,26 @@ def close_run(run: Run) -> None:
     run.dist.close()
 
 
-def engine_died(run: Run, error: EngineDied) -> RunStopped:
-    """The engine's server went away: checkpoint the last step learned (unless it is saved already) and say
-    where, in one line. The model, optimizer and shuffle are those of that step (a rollout changes none of
-    them) and the task's state is from before the unlearned step's prompts, so --resume continues exactly."""
+LOGS_FAILED_ELSEWHERE = "rank 0 could not write the run's logs"
+
+
+def logs_failed(run: Run) -> bool:
+    """True on every rank once rank 0's logger has failed to write (a full disk, an I/O error)."""
+    return run.dist.any(run.logger.failed is not None)
+
+
+def stop_with_checkpoint(run: Run, reason: str) -> RunStopped:
+    """The run cannot go on (its engine's server went away, a log write failed): checkpoint the last step learned
+    (unless it is saved already) and say where, in one line. The model, optimizer and shuffle are those of that
+    step (a rollout changes none of them) and the task's state is from before the unlearned step's prompts, so
+    --resume continues exactly. If that save fails too, the line says so and names the checkpoint kept."""
     done = run.learned
     latest = latest_checkpoint(run.dir, report=lambda _: None)
-    path = latest if latest == checkpoint_dir(run.dir, done) else save(run, done)
-    return RunStopped(f"{error}; checkpoint {path} (step {done}); resume with: llmrl train --resume {run.dir}")
+    try:
+        path = latest if latest == checkpoint_dir(run.dir, done) else save(run, done)
+    except RunStopped as e:
+        return RunStopped(f"{reason}; {e}")
+    return RunStopped(f"{reason}; checkpoint {path} (step {done}); resume with: {resume_command(run.cfg.task, run.dir)}")
 
 
 def loop(run: Run, ahead: DrawAhead | None) -> TrainResult:
@@ -113,17 +133,19 @@ def loop(run: Run, ahead: DrawAhead | None) -> TrainResult:
                 path = save(run, step)
                 raise RunStopped(f"step {step}: {run.totals.bad_in_a_row} non-finite updates in a row (max_bad_steps="
                                  f"{cfg.max_bad_steps}); parameters are the last good ones, saved in {path}")
-            if eval_on and (final or (cfg.eval_interval and step % cfg.eval_interval == 0)):
+            if eval_on and (final or (cfg.eval_interval and step % cfg.eval_interval == 0)) and not logs_failed(run):
                 if ahead is not None:
                     ahead.settle()  # eval loads version `step`: not while the next step's draw is in flight
                 last |= evaluate_and_log(run, step)
+            if logs_failed(run):
+                raise stop_with_checkpoint(run, run.logger.failed or LOGS_FAILED_ELSEWHERE)
             if final or (cfg.save_interval and step % cfg.save_interval == 0) or stopping:
                 path = save(run, step)
             if stopping and not final:
                 bar.close()
                 if run.dist.is_main:
                     print(f"llmrl: stopped by {stop.signal or 'a signal on another rank'} after step {step}; "
-                          f"checkpoint {path}\nllmrl: resume with: llmrl train --resume {run.dir}", file=sys.stderr, flush=True)
+                          f"checkpoint {path}\nllmrl: resume with: {resume_command(run.cfg.task, run.dir)}", file=sys.stderr, flush=True)
                 break
     close_run(run)
     if run.dist.is_main and path is not None:

@@ -3,12 +3,14 @@ optimizer, loggers, signals; saving checkpoints and evaluating.
 
 Everything the next step needs lives in the model, the optimizer, the task's RNG and the shuffle
 generator (the learning rate is a function of the step), which is exactly what a checkpoint holds,
-so `--resume` continues the run.
-"""
+so `--resume` continues the run. A checkpoint holds the run's config too, and config.yaml is rewritten
+with every checkpoint (and when a new run starts): on resume the two must agree key for key
+(config.check_resume_config)."""
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import shutil
@@ -25,7 +27,7 @@ import torch
 from llmrl.checkpoint import latest_checkpoint, load_checkpoint, remove_stale_temporaries, save_checkpoint
 from llmrl.config import Plan, TrainConfig, resolve, resume_differences, save_config
 from llmrl.errors import ConfigError, RunStopped
-from llmrl.logger import RunLogger
+from llmrl.logger import RunLogger, plain
 from llmrl.model_card import model_card
 from llmrl.models.lora import fuse_lora_outputs
 from llmrl.models.loading import (add_lora, contiguous_lm_head_input, grouped_query_attention, load_base_model,
@@ -42,8 +44,8 @@ from llmrl.rollout import RolloutEngine, Sampling, make_engine
 from llmrl.rollout.episodes import EpisodeRunner, episode_runner
 from llmrl.rollout.keyed import mix
 from llmrl.rollout.prompts import eos_ids
-from llmrl.run_files import CONFIG, DATA_REPORT, RUN_FILES
-from llmrl.tasks import Task, is_environment, task_from_config
+from llmrl.run_files import CONFIG, DATA_REPORT, LOCK, REPORT, RUN_FILES, write_atomically
+from llmrl.tasks import Task, is_environment, resume_command, task_from_config
 from llmrl.tasks.env import OneTurn
 from llmrl.training import hooks
 from llmrl.training.cpu_speed import keep_heap_memory, use_hash_dropout
@@ -83,6 +85,8 @@ class Run:
     logger: RunLogger
     start: int  # the first step to run (1, or the step after the resumed checkpoint)
     resumed_from: Path | None
+    config_notes: list[str] = field(default_factory=list)  # how this machine runs the config (config.yaml comments)
+    lock: RunLock | None = None  # held by rank 0 until train() returns
     totals: Totals = field(default_factory=Totals)
     health: Health = field(default_factory=Health)
     episodes: EpisodeRunner | None = None  # how the task's episodes run (a single-turn task: one-turn episodes)
@@ -126,6 +130,49 @@ def build_policy(cfg: TrainConfig, plan: Plan):
     return model, tokenizer, choice
 
 
+class RunLock:
+    """An exclusive flock on output_dir/.lock, with the holder's pid inside, held while a trainer writes the
+    run: a second trainer on the same directory stops before reading or changing anything there. The kernel
+    drops the lock when its process ends, however it ends, so a dead holder's file never blocks."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir, self.fd = run_dir, None
+
+    def take(self) -> None:
+        """Hold the lock (once; making output_dir if needed), or raise ConfigError naming the holder's pid."""
+        if self.fd is not None:
+            return
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise ConfigError(f"output_dir {self.run_dir} is not writable: {e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ConfigError(f"output_dir {self.run_dir} is in use by another llmrl trainer (pid {holder}, "
+                              f"{self.run_dir / LOCK}): wait for it to end or stop it, or use another "
+                              "--output_dir") from None
+        except OSError as e:  # a filesystem without flock (some network mounts): run unguarded, and say so
+            print(f"llmrl: warning: cannot lock {self.run_dir / LOCK} ({e.strerror or e}); make sure no other "
+                  "trainer writes this run", file=sys.stderr)
+        self.fd = fd
+        pid = f"{os.getpid()}\n".encode()
+        try:
+            os.pwrite(fd, pid, 0)
+            os.ftruncate(fd, len(pid))
+        except OSError as e:
+            self.release()
+            raise ConfigError(f"output_dir {self.run_dir} is not writable: {e.strerror or e}") from None
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor drops the flock
+            self.fd = None
+
+
 def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
     """Refuse to mix a new run into an old one, check the directory is writable, clear dead temporaries."""
     existing = [name for name in RUN_FILES if (run_dir / name).exists()]
@@ -157,6 +204,19 @@ def find_resume_checkpoint(cfg: TrainConfig, run_dir: Path) -> Path:
     return checkpoint
 
 
+def task_state_problem(state: Any) -> str | None:
+    """None if a checkpoint can store the task's state_dict() (JSON, in trainer_state.json); else what is wrong,
+    naming the key."""
+    if not isinstance(state, dict):
+        return f"state_dict() returned a {type(state).__name__}, not a dict"
+    for key, value in state.items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as e:
+            return f"state_dict()[{key!r}] cannot be saved as JSON ({e})"
+    return None
+
+
 def rank_rng_state() -> dict[str, torch.Tensor]:
     """This process's RNG streams that differ between ranks: the CPU generator and, on CUDA, the
     generator of this rank's own GPU (torch.cuda.current_device(), set from LOCAL_RANK). Rank 0's
@@ -186,18 +246,36 @@ def restore_rank_rng(state: dict[str, Any], cfg: TrainConfig, dist: Dist) -> Non
 
 
 def setup_run(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Run:
-    """Everything before step 1 (or the resumed step): process group, run directory, task, policy,
-    optimizer, checkpoint state, loggers."""
+    """Everything before step 1 (or the resumed step): process group, run directory (locked by rank 0 until
+    train() returns), task, policy, optimizer, checkpoint state, loggers."""
     dist = init_distributed(cfg.device, cfg.dist_timeout)
+    lock = RunLock(Path(cfg.output_dir)) if dist.is_main else None
+    try:
+        return build_run(cfg, dist, lock, resume, overwrite)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def build_run(cfg: TrainConfig, dist: Dist, lock: RunLock | None, resume: bool, overwrite: bool) -> Run:
+    """setup_run after the process group."""
     plan = resolve(cfg)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     if plan.keep_heap_memory:
         keep_heap_memory()
     run_dir = Path(cfg.output_dir)
+    if lock is not None and run_dir.is_dir():
+        lock.take()  # another trainer may be writing there: stop before reading or changing anything
     checkpoint = find_resume_checkpoint(cfg, run_dir) if resume else None
     task = task_from_config(cfg)  # before the run dir and the model: a bad task or data fails fast, leaving nothing
-    if dist.is_main:
+    problem = task_state_problem(task.state_dict())
+    if problem:
+        raise ConfigError(f"task {cfg.task}: {problem}; a checkpoint saves the task's state as JSON: return numbers, "
+                          "strings, lists and dicts of them")
+    if lock is not None:
+        lock.take()  # a new directory is made here, after the task: a bad task leaves nothing behind
         prepare_run_dir(run_dir, resume, overwrite)
     dist.barrier()
     model, tokenizer, kernels = build_policy(cfg, plan)
@@ -206,9 +284,6 @@ def setup_run(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -
     if dist.enabled:
         torch.manual_seed(mix(cfg.seed, 1 + dist.rank))  # per-rank stream for LoRA dropout
     report = getattr(task, "data_report", None)
-    if report and dist.is_main:
-        print(f"llmrl: {cfg.task} data: {json.dumps(report)}", file=sys.stderr)
-        (run_dir / DATA_REPORT).write_text(json.dumps(report, indent=1))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
     shuffle = torch.Generator().manual_seed(cfg.seed + 1)
@@ -221,14 +296,25 @@ def setup_run(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -
         if dist.is_main:
             print(f"llmrl: resuming {run_dir} from {checkpoint.name} (step {state['step']} of {cfg.steps})", file=sys.stderr)
         health = Health(**state.get("health", {}))
-    if dist.is_main:
-        save_config(cfg, run_dir / CONFIG, resolved=[plan.precision, kernels] if plan.device.type == "cpu" else [plan.precision])
-    logger = RunLogger(run_dir, cfg.to_dict(), enabled=dist.is_main, use_wandb=cfg.wandb, project=cfg.wandb_project,
-                       name=cfg.run_name, resume_step=start - 1 if checkpoint else None, use_tensorboard=cfg.tensorboard)
+    notes = [plan.precision, kernels] if plan.device.type == "cpu" else [plan.precision]
+    try:
+        if report and dist.is_main:
+            print(f"llmrl: {cfg.task} data: {json.dumps(report)}", file=sys.stderr)
+            write_atomically(run_dir / DATA_REPORT, json.dumps(report, indent=1))
+        if dist.is_main and checkpoint is None:  # resumed: config.yaml stays its checkpoint's until the next save
+            save_config(cfg, run_dir / CONFIG, resolved=notes)
+        logger = RunLogger(run_dir, cfg.to_dict(), enabled=dist.is_main, use_wandb=cfg.wandb, project=cfg.wandb_project,
+                           name=cfg.run_name, resume_step=start - 1 if checkpoint else None,
+                           use_tensorboard=cfg.tensorboard)
+    except OSError as e:
+        after = (f"its checkpoints are intact: fix the cause and run `{resume_command(cfg.task, run_dir)}`" if checkpoint
+                 else "fix the cause and start again (--overwrite replaces what was written)")
+        raise RunStopped(f"could not write {e.filename or run_dir}: {e.strerror or e}; {after}") from None
     engine = make_engine(cfg, plan, tokenizer)
     return Run(cfg=cfg, plan=plan, dir=run_dir, dist=dist, model=model, tokenizer=tokenizer, task=task, engine=engine,
-               optimizer=optimizer, shuffle=shuffle, logger=logger, start=start, resumed_from=checkpoint, totals=totals,
-               health=health, learned=start - 1, episodes=environment_runner(cfg, task, model, tokenizer))
+               optimizer=optimizer, shuffle=shuffle, logger=logger, start=start, resumed_from=checkpoint,
+               config_notes=notes, lock=lock, totals=totals, health=health, learned=start - 1,
+               episodes=environment_runner(cfg, task, model, tokenizer))
 
 
 def environment_runner(cfg: TrainConfig, task: Task, model, tokenizer) -> EpisodeRunner:
@@ -239,11 +325,15 @@ def environment_runner(cfg: TrainConfig, task: Task, model, tokenizer) -> Episod
 
 
 def save(run: Run, step: int) -> Path | None:
-    """Checkpoint the run after `step` (rank 0 writes; every rank's dropout RNG goes with it)."""
+    """Checkpoint the run after `step` (rank 0 writes; every rank's dropout RNG goes with it), then config.yaml.
+    Any failed write (a full disk, an I/O error) stops the run in one line naming the checkpoint it kept."""
     rank_rng = run.dist.gather(rank_rng_state())
     if not run.dist.is_main:
         return None
     task_state = run.drawn_from[min(run.drawn_from)] if run.drawn_from else run.task.state_dict()
+    problem = task_state_problem(task_state)
+    if problem:
+        raise RunStopped(f"step {step}: the task's {problem}, so it cannot be checkpointed; {kept_checkpoint(run)}")
     state = {"task": task_state, "totals": vars(run.totals), "health": vars(run.health), "config": run.cfg.to_dict(),
              "world_size": run.dist.world}
     extra = {f"{kind}_rank{r}": t for r, states in enumerate(rank_rng) for kind, t in states.items()} if run.dist.enabled else {}
@@ -251,12 +341,23 @@ def save(run: Run, step: int) -> Path | None:
         path = save_checkpoint(run.dir, step, run.model, run.optimizer, state, run.shuffle, keep=run.cfg.keep_checkpoints,
                                extra_rng=extra, base_model=run.cfg.model, card=model_card(run.cfg, step, run.dir))
     except OSError as e:
-        previous = latest_checkpoint(run.dir, report=lambda _: None)
         raise RunStopped(f"could not write the checkpoint of step {step}: {e.strerror or e}; "
-                         f"the previous checkpoint ({previous or 'none'}) is intact: fix the cause and "
-                         f"run `llmrl train --resume {run.dir}`") from None
+                         f"{kept_checkpoint(run)}") from None
+    try:
+        save_config(run.cfg, run.dir / CONFIG, resolved=run.config_notes)  # what the next --resume checks
+    except OSError as e:
+        raise RunStopped(f"could not write {run.dir / CONFIG}: {e.strerror or e}; checkpoint {path} (step {step}) is "
+                         f"complete: fix the cause and run `{resume_command(run.cfg.task, run.dir)}`") from None
     hooks.fire("after_checkpoint", path=path)
     return path
+
+
+def kept_checkpoint(run: Run) -> str:
+    """The end of a stop's line when a checkpoint could not be written: which one a resume will use."""
+    previous = latest_checkpoint(run.dir, report=lambda _: None)
+    if previous is None:
+        return "no checkpoint was written before this one: fix the cause and start again"
+    return f"the previous checkpoint ({previous}) is intact: fix the cause and run `{resume_command(run.cfg.task, run.dir)}`"
 
 
 def eval_count(cfg: TrainConfig, task: Task) -> int:
@@ -285,8 +386,10 @@ def eval_policy(cfg: TrainConfig, model, tokenizer, task: Task, engine: RolloutE
         episodes = environment_runner(cfg, task, model, tokenizer)
     if episodes is not None:  # eval replies get eval's token cap
         episodes = dataclasses.replace(episodes, limits=dataclasses.replace(episodes.limits, reply_tokens=max_new))
-    return evaluate(engine, task, task.eval_examples(eval_count(cfg, task)), max_new_tokens=max_new, dist=dist,
-                    samples_per_prompt=cfg.eval_samples_per_prompt, sampling=sampling, seed=cfg.seed, episodes=episodes)
+    metrics, rows = evaluate(engine, task, task.eval_examples(eval_count(cfg, task)), max_new_tokens=max_new, dist=dist,
+                             samples_per_prompt=cfg.eval_samples_per_prompt, sampling=sampling, seed=cfg.seed,
+                             episodes=episodes)
+    return plain(metrics), plain(rows)  # a custom task's evaluate() and answers may hold NumPy/torch numbers
 
 
 def evaluate_and_log(run: Run, step: int) -> dict[str, float]:
@@ -297,10 +400,13 @@ def evaluate_and_log(run: Run, step: int) -> dict[str, float]:
     metrics["time/eval_s"] = time.perf_counter() - t0
     run.logger.log(step, metrics)
     run.logger.log_samples(step, rows, eval=True)
-    if run.dist.is_main and run.cfg.report:
+    if run.dist.is_main and run.cfg.report and not run.logger.failed:
         from llmrl.report import refresh_run_report
 
-        refresh_run_report(run.dir)  # never raises: a plotting problem must not stop training
+        try:
+            refresh_run_report(run.dir)  # a plotting problem only warns; a failing disk stops the run, as for the logs
+        except OSError as e:
+            run.logger.fail(e.filename or run.dir / REPORT, e)
     return metrics
 
 
