@@ -193,7 +193,7 @@ def test_refresh_run_report_writes_into_the_run_and_never_raises(runs, tmp_path,
     run = make_run(tmp_path, "live", [eval_record(0, 0.0), train_record(1)])
     refresh_run_report(run)
     assert (run / "report.html").is_file() and (run / "plots" / "reward_mean.png").is_file()
-    assert not list(run.rglob("*.tmp"))
+    assert not list(run.rglob(".tmp-*"))
 
 
 def test_cli_report_command(runs, tmp_path, capsys):

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from llmrl.errors import ConfigError
-from llmrl.run_files import CHECKPOINTS, LATEST, candidates, fsync_path, write_atomically
+from llmrl.run_files import CHECKPOINTS, LATEST, PLOTS, candidates, fsync_path, write_atomically
 
 MANIFEST = "manifest.json"
 
@@ -122,11 +122,12 @@ def set_rng_state(plain: dict[str, Any], tensors: dict[str, torch.Tensor]) -> No
 
 
 def remove_stale_temporaries(run_dir: Path) -> None:
-    """Delete half-written checkpoint directories left by a killed save."""
-    root = run_dir / CHECKPOINTS
-    if root.exists():
-        for tmp in root.glob(".tmp-*"):
-            shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+    """Delete what a killed process left half-written: checkpoint directories, and the temporaries of
+    write_atomically (config.yaml, `latest`, the report and its plots). Called with the run's lock held."""
+    for folder in (run_dir / CHECKPOINTS, run_dir, run_dir / PLOTS):
+        if folder.exists():
+            for tmp in folder.glob(".tmp-*"):
+                shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
 
 
 def save_checkpoint(

@@ -4,7 +4,8 @@ metric names).
 
 Only rank 0 writes; other ranks get a logger whose methods do nothing. A write that fails (a full disk, an
 I/O error) does not raise where it happens: the logger records it in `failed`, writes nothing more, and the
-training loop, which checks `failed` after each step's logs on every rank, saves and stops in one line.
+training loop, which checks `failed` after each step's logs on every rank, stops in one line (at the last complete
+checkpoint when a step's rows were lost, so the resume logs each step once; after saving when only the report failed).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class RunLogger:
                  use_tensorboard: bool = False):
         self.run_dir, self.enabled = run_dir, enabled
         self.failed: str | None = None  # the first write that failed: "could not write PATH: REASON"
+        self.lost_rows = False  # a metrics/samples write failed: some step's records are not on disk
         self.wandb = None
         self.tensorboard = None
         if not enabled:
@@ -95,6 +97,7 @@ class RunLogger:
                 f.write(text)
         except OSError as e:
             self.fail(self.run_dir / file, e)
+            self.lost_rows = True
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Append one metrics record for `step` (train or eval keys)."""

@@ -22,7 +22,6 @@ import html
 import io
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from typing import Any
 import yaml
 
 from llmrl.errors import ConfigError, DataError
-from llmrl.run_files import CONFIG, DISK_ERRORS, EVAL_SAMPLES, METRICS, PLOTS, REPORT, SAMPLES
+from llmrl.run_files import CONFIG, DISK_ERRORS, EVAL_SAMPLES, METRICS, PLOTS, REPORT, SAMPLES, write_atomically
 
 # x-axis choice -> (metric that holds it, axis label, divisor applied to the values)
 X_AXES: dict[str, tuple[str, str, float]] = {
@@ -234,16 +233,6 @@ def ema(values: list[float], weight: float) -> list[float]:
 # ---------------------------------------------------------------------------------------------- plots
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` through a temporary file in the same folder and a rename."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def file_stem(metric: str, used: set[str]) -> str:
     """A file-system-safe, unique name for a metric's PNG ("reward/mean" -> "reward_mean")."""
     stem = "".join(c if c.isalnum() or c in "-." else "_" for c in metric).strip("._") or "metric"
@@ -348,7 +337,7 @@ def make_plots(runs: list[RunData], plot_dir: Path, x_axis: str, smooth: float) 
         if pass_at_k_names(run):
             png = plot_pass_at_k(run, x_of, label)
             path = plot_dir / f"{file_stem('pass_at_k_' + run.name, used)}.png"
-            write_atomic(path, png)
+            write_atomically(path, png)
             pass_plots.append(Plot(f"pass@k {run.name}", path, "data:image/png;base64," + base64.b64encode(png).decode("ascii"), {}))
     for metric in metric_names(runs):
         if metric.startswith("eval/") and pass_plots:
@@ -358,7 +347,7 @@ def make_plots(runs: list[RunData], plot_dir: Path, x_axis: str, smooth: float) 
             continue  # listed in the constants table instead
         png, drawn = plot_metric(metric, runs, x_ofs, label, smooth)
         path = plot_dir / f"{file_stem(metric, used)}.png"
-        write_atomic(path, png)
+        write_atomically(path, png)
         plots.append(Plot(metric, path, "data:image/png;base64," + base64.b64encode(png).decode("ascii"), drawn))
     return plots + pass_plots, notes
 
@@ -608,7 +597,7 @@ def write_report(run_dirs: list[Path], out_dir: Path, *, x_axis: str = "step", s
     notes += plot_notes
     page = render_page(runs, plots, notes, x_axis=x_axis, smooth=smooth, sample_steps=sample_steps, max_samples=max_samples)
     html_path = out_dir / REPORT
-    write_atomic(html_path, page.encode("utf-8"))
+    write_atomically(html_path, page.encode("utf-8"))
     return Report(html_path, plots, runs, notes)
 
 

@@ -46,7 +46,7 @@ def fsync_path(path: Path) -> None:
 def write_atomically(path: Path, data: str | bytes) -> None:
     """Replace `path` by `data` through a flushed temporary file and a rename: a kill or a full disk leaves the
     old file or the new one, never a part. An OSError names `path` (its filename)."""
-    tmp = path.with_name(f".tmp-{path.name}")
+    tmp = path.with_name(f".tmp-{path.name}.{os.getpid()}")  # the pid: `llmrl report` may write beside a trainer
     try:
         with open(tmp, "wb") as f:
             f.write(data.encode("utf-8") if isinstance(data, str) else data)

@@ -22,7 +22,7 @@ from llmrl.checkpoint import checkpoint_dir, latest_checkpoint
 from llmrl.config import TrainConfig, check_resume_config, preflight
 from llmrl.errors import EngineDied, RunStopped
 from llmrl.tasks import resume_command
-from llmrl.training.run import Run, StopOnSignal, evaluate_and_log, save, setup_run
+from llmrl.training.run import Run, StopOnSignal, evaluate_and_log, kept_checkpoint, save, setup_run
 from llmrl.training.step import DrawAhead, train_step
 
 
@@ -64,7 +64,7 @@ def train_run(run: Run) -> TrainResult:
         if run.eval_n > 0 and cfg.eval_interval > 0 and run.resumed_from is None:
             evaluate_and_log(run, 0)  # the untrained policy, for comparison
             if logs_failed(run):
-                raise stop_with_checkpoint(run, run.logger.failed or LOGS_FAILED_ELSEWHERE)
+                raise stop_after_failed_logs(run)
         return loop(run, ahead)
     except EngineDied as e:
         raise stop_with_checkpoint(run, str(e)) from None
@@ -88,6 +88,16 @@ LOGS_FAILED_ELSEWHERE = "rank 0 could not write the run's logs"
 def logs_failed(run: Run) -> bool:
     """True on every rank once rank 0's logger has failed to write (a full disk, an I/O error)."""
     return run.dist.any(run.logger.failed is not None)
+
+
+def stop_after_failed_logs(run: Run) -> RunStopped:
+    """A log write failed. If a step's metrics or samples rows went with it, stop at the last complete checkpoint
+    (a resume cuts the logs back to it and redoes the steps after it, so each step is logged once, as after a
+    SIGKILL); if only the report failed, save this step first."""
+    reason = run.logger.failed or LOGS_FAILED_ELSEWHERE
+    if run.dist.any(run.logger.lost_rows):
+        return RunStopped(f"{reason}; {kept_checkpoint(run)}")
+    return stop_with_checkpoint(run, reason)
 
 
 def stop_with_checkpoint(run: Run, reason: str) -> RunStopped:
@@ -138,7 +148,7 @@ def loop(run: Run, ahead: DrawAhead | None) -> TrainResult:
                     ahead.settle()  # eval loads version `step`: not while the next step's draw is in flight
                 last |= evaluate_and_log(run, step)
             if logs_failed(run):
-                raise stop_with_checkpoint(run, run.logger.failed or LOGS_FAILED_ELSEWHERE)
+                raise stop_after_failed_logs(run)
             if final or (cfg.save_interval and step % cfg.save_interval == 0) or stopping:
                 path = save(run, step)
             if stopping and not final:

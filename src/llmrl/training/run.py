@@ -196,7 +196,8 @@ def find_resume_checkpoint(cfg: TrainConfig, run_dir: Path) -> Path:
     """The newest good checkpoint of `run_dir`, after checking `cfg` may continue it."""
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is None:
-        raise ConfigError(f"--resume {run_dir}: no complete checkpoint under {run_dir / 'checkpoints'}")
+        raise ConfigError(f"--resume {run_dir}: no complete checkpoint under {run_dir / 'checkpoints'} (it stopped "
+                          "before its first save, which is all it would lose): start it again with --overwrite")
     saved = json.loads((checkpoint / "trainer_state.json").read_text())["config"]
     differ = resume_differences(saved, cfg)
     if differ:
