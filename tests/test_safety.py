@@ -196,3 +196,19 @@ def test_task_state_a_checkpoint_cannot_hold_is_refused_before_step_1(tmp_path, 
     assert not out.exists()
     with pytest.raises(ConfigError, match=r"state_dict\(\)\['seen'\]"):
         loop.train(in_process(tiny_model_dir, out, task="numpy_reward:SetStateTask"))
+
+
+def test_a_log_shorter_than_its_checkpoint_says_is_refused_in_one_line(tmp_path):
+    """The logs are flushed before each checkpoint, which records their sizes: a resume that finds one shorter
+    (cut or damaged) refuses rather than continue with records missing; longer (steps after the checkpoint,
+    a half-written last line) is what a kill leaves, and is cut back by the resume."""
+    from llmrl.errors import DataError
+    from llmrl.logger import check_log_sizes
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.1}\n{"step": 2, "rew')
+    (tmp_path / "samples.jsonl").write_text('{"step": 1}\n')
+    check_log_sizes(tmp_path, {"metrics.jsonl": 33, "samples.jsonl": 12}, "step_000001")
+    with pytest.raises(DataError, match=r"samples\.jsonl holds 12 bytes, fewer than the 13 it held when step_000001"):
+        check_log_sizes(tmp_path, {"metrics.jsonl": 33, "samples.jsonl": 13}, "step_000001")
+    with pytest.raises(DataError, match=r"eval_samples\.jsonl holds 0 bytes"):
+        check_log_sizes(tmp_path, {"eval_samples.jsonl": 5}, "step_000001")

@@ -15,7 +15,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from llmrl.run_files import EVAL_SAMPLES, METRICS, SAMPLES, TENSORBOARD, write_atomically
+from llmrl.errors import DataError
+from llmrl.run_files import EVAL_SAMPLES, METRICS, SAMPLES, TENSORBOARD, fsync_path, write_atomically
 
 
 def plain(value: Any) -> Any:
@@ -61,6 +62,20 @@ def truncate_after(path: Path, step: int) -> None:
     write_atomically(path, "".join(line + "\n" for line in kept))
 
 
+LOGS = (METRICS, SAMPLES, EVAL_SAMPLES)  # appended each step; a checkpoint records how long each was
+
+
+def check_log_sizes(run_dir: Path, sizes: dict[str, int], checkpoint: str) -> None:
+    """A resumed run's logs must hold at least what they held when `checkpoint` was saved (the logs are flushed
+    to disk before each checkpoint, so a crash cannot shorten them): a shorter one lost records that no resume
+    can bring back, and is refused in one line rather than continued with a hole."""
+    for file, size in sizes.items():
+        have = (run_dir / file).stat().st_size if (run_dir / file).exists() else 0
+        if have < size:
+            raise DataError(f"{run_dir / file} holds {have} bytes, fewer than the {size} it held when {checkpoint} "
+                            "was saved: records were lost (the file was damaged or cut); restore it, then resume")
+
+
 class RunLogger:
     def __init__(self, run_dir: Path, config: dict[str, Any], *, enabled: bool = True, use_wandb: bool = False,
                  project: str = "llmrl", name: str | None = None, resume_step: int | None = None,
@@ -77,13 +92,23 @@ class RunLogger:
 
             self.tensorboard = TensorBoardLogger(run_dir / TENSORBOARD)
         if resume_step is not None:
-            for file in (METRICS, SAMPLES, EVAL_SAMPLES):
+            for file in LOGS:
                 truncate_after(run_dir / file, resume_step)
         if use_wandb:
             import wandb
 
             self.wandb = wandb.init(project=project, name=name or run_dir.name, config=config, dir=str(run_dir),
                                     resume="allow")
+
+    def durable_sizes(self) -> dict[str, int]:
+        """Flush the logs to disk and return their sizes, for the checkpoint about to be written (rank 0)."""
+        sizes = {}
+        for file in LOGS:
+            path = self.run_dir / file
+            if path.exists():
+                fsync_path(path)
+                sizes[file] = path.stat().st_size
+        return sizes
 
     def fail(self, path: Path | str, error: OSError) -> None:
         """Record a failed write (the first one counts) and write nothing more."""

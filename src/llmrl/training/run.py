@@ -27,7 +27,7 @@ import torch
 from llmrl.checkpoint import latest_checkpoint, load_checkpoint, remove_stale_temporaries, save_checkpoint
 from llmrl.config import Plan, TrainConfig, resolve, resume_differences, save_config
 from llmrl.errors import ConfigError, RunStopped
-from llmrl.logger import RunLogger, plain
+from llmrl.logger import RunLogger, check_log_sizes, plain
 from llmrl.model_card import model_card
 from llmrl.models.lora import fuse_lora_outputs
 from llmrl.models.loading import (add_lora, contiguous_lm_head_input, grouped_query_attention, load_base_model,
@@ -304,6 +304,8 @@ def build_run(cfg: TrainConfig, dist: Dist, lock: RunLock | None, resume: bool, 
             write_atomically(run_dir / DATA_REPORT, json.dumps(report, indent=1))
         if dist.is_main and checkpoint is None:  # resumed: config.yaml stays its checkpoint's until the next save
             save_config(cfg, run_dir / CONFIG, resolved=notes)
+        if dist.is_main and checkpoint is not None:
+            check_log_sizes(run_dir, state.get("logs", {}), checkpoint.name)
         logger = RunLogger(run_dir, cfg.to_dict(), enabled=dist.is_main, use_wandb=cfg.wandb, project=cfg.wandb_project,
                            name=cfg.run_name, resume_step=start - 1 if checkpoint else None,
                            use_tensorboard=cfg.tensorboard)
@@ -339,6 +341,7 @@ def save(run: Run, step: int) -> Path | None:
              "world_size": run.dist.world}
     extra = {f"{kind}_rank{r}": t for r, states in enumerate(rank_rng) for kind, t in states.items()} if run.dist.enabled else {}
     try:
+        state["logs"] = run.logger.durable_sizes()  # what a resume must find in the logs, at least
         path = save_checkpoint(run.dir, step, run.model, run.optimizer, state, run.shuffle, keep=run.cfg.keep_checkpoints,
                                extra_rng=extra, base_model=run.cfg.model, card=model_card(run.cfg, step, run.dir))
     except OSError as e:
