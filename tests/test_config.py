@@ -166,3 +166,9 @@ def test_async_and_server_rules(monkeypatch):
     with pytest.raises(ConfigError, match="vllm-server is single-process"):
         load_config(None, {"rollout_engine": "vllm-server", "batch_size": 2, "minibatch_size": 6})
     load_config(None, {"rollout_engine": "vllm", "batch_size": 2, "minibatch_size": 6})
+
+
+@pytest.mark.parametrize("key, value", [("env_timeout", "inf"), ("lr", "nan"), ("kl_coef", "-inf"), ("env_timeout", "1e6")])
+def test_numbers_must_be_finite_and_env_timeout_bounded(key, value):
+    with pytest.raises(ConfigError, match=rf"^{key}="):
+        load_config(None, {key: value})

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import types
 import typing
@@ -381,6 +382,10 @@ def validate(cfg: TrainConfig) -> None:
         if not ok:
             raise ConfigError(f"{name}={getattr(cfg, name)!r}: {text}")
 
+    for f in dataclasses.fields(cfg):  # inf or nan in any number (an endless --env_timeout, a nan lr) is never meant
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{f.name}={value!r}: must be a finite number")
     for name in ("max_bad_steps", "steps", "batch_size", "group_size", "max_new_tokens", "max_prompt_tokens", "grad_accum_steps",
                  "ppo_epochs", "minibatch_size", "eval_batch_size", "lora_r"):
         rule(getattr(cfg, name) >= 1, name, "must be at least 1")
@@ -423,7 +428,7 @@ def validate(cfg: TrainConfig) -> None:
     rule(cfg.max_turns is None or cfg.max_turns >= 1, "max_turns", "must be at least 1")
     rule(cfg.episode_tokens is None or cfg.episode_tokens >= 1, "episode_tokens", "must be at least 1")
     rule(cfg.max_env_tokens >= 1, "max_env_tokens", "must be at least 1")
-    rule(cfg.env_timeout > 0, "env_timeout", "must be positive")
+    rule(0 < cfg.env_timeout <= 3600, "env_timeout", "must be positive and at most 3600 seconds (a bound on a hung step)")
     rule(cfg.env_isolation in ("process", "thread"), "env_isolation", "must be process or thread")
     rule(cfg.env_workers >= 1, "env_workers", "must be at least 1")
     rule(cfg.dynamic_sampling_rounds >= 1, "dynamic_sampling_rounds", "must be at least 1")
