@@ -100,9 +100,11 @@ class Injector:
             frame = frame.f_back
         where = "outside llmrl" if frame is None else \
             f"{os.path.relpath(frame.f_code.co_filename, LLMRL_SRC)}:{frame.f_lineno}"
+        # a write or rename: which file (a temporary by the file it stands for: .tmp-config.yaml.PID is config.yaml's);
+        # an fsync or mkdir: the code site alone (one loop over a checkpoint's files is one site)
         base = "" if op in ("fsync", "mkdir") or p in self.roots else \
-            re.sub(r"\.tmp[-_][^/]*|tmp[a-z0-9_]{6,}", "*", os.path.basename(p))  # a write: which file
-        base = re.sub(r"[0-9]+", "N", "*.png" if ".png" in base else base)  # the report's plots: one site
+            re.sub(r"^\.tmp-(.*?)(\.[0-9]+)?$", r"\1 (temporary)", os.path.basename(p))
+        base = "*.png" if ".png" in base else re.sub(r"[0-9]+", "N", base)  # the report's plots: one site
         site = f"{op}@{where}" + (f" [{base}]" if base else "")
         self.example.setdefault(site, os.path.relpath(p, str(self.run_dir)))
         return site
