@@ -146,6 +146,8 @@ def test_fixture_verdicts(case):
     if case.get("known_limitation"):
         pytest.xfail(case["known_limitation"])  # stays listed; see the fixture line
     [v] = grade_batch([(case["completion"], case["gold"])], time_limit=LIMIT)
+    if v.status == "timeout":  # a busy machine (CI beside other work) can slow sympy past LIMIT: the verdict is
+        [v] = grade_batch([(case["completion"], case["gold"])], time_limit=30.0)  # what is tested, not the speed
     assert v.status in ("ok", "no_answer"), v
     assert v.correct is case["expected"], f"{case['why']}: {v}"
 
