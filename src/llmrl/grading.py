@@ -239,17 +239,17 @@ WORKER_FUNCTIONS = {"judge": judge, "parses": parses}
 PARENT_PID = "LLMRL_PARENT_PID"
 
 
-def exit_with_parent(interval: float = 0.5) -> None:
+def exit_with_parent(interval: float = 0.5, end: Any = None) -> None:
     """End this process when its parent goes (a SIGKILLed trainer included), even mid-job: a daemon thread
     polls the parent pid. PR_SET_PDEATHSIG would fire when the parent's creating *thread* ends, and the pool
     may be made in a rollout thread. The parent's pid comes from $LLMRL_PARENT_PID when set: a parent that died
-    before this process got here is then noticed too."""
+    before this process got here is then noticed too. `end`: what to do then (default: exit at once)."""
     parent = int(os.environ.get(PARENT_PID, os.getppid()))
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(interval)
-        os._exit(1)
+        (end or (lambda: os._exit(1)))()
 
     threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
 

@@ -56,6 +56,7 @@ from collections import deque
 from typing import Any
 
 from llmrl.errors import ConfigError, EngineDied
+from llmrl.grading import PARENT_PID, exit_with_parent
 from llmrl.tasks.env import Episode, Turn, call_step
 
 ISOLATIONS = ("process", "thread")
@@ -215,13 +216,6 @@ def _same_file(a: str, b: str) -> bool:
         return False
 
 
-def _watch_parent(parent: int) -> None:
-    """End this worker (and what its environment started) when the trainer is gone, however it died."""
-    while os.getppid() == parent:
-        time.sleep(0.5)
-    os.killpg(0, signal.SIGKILL)
-
-
 def _worker_main() -> None:
     """A step worker (`python -c ...`, its own process group): a boot frame (sys.path, the modules to
     import, the pickled environment), then jobs (episode, reply) → ("ok", Turn, episode.state) |
@@ -230,7 +224,7 @@ def _worker_main() -> None:
     jobs = sys.stdin.buffer
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # what the environment prints goes to stderr, not into the replies
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    exit_with_parent(end=lambda: os.killpg(0, signal.SIGKILL))  # and what its environment started
     boot = read_frame(jobs)
     if boot is None:
         return
@@ -265,7 +259,8 @@ class _Worker:
 
     def __init__(self, boot: bytes) -> None:
         self.process = subprocess.Popen([sys.executable, "-c", WORKER_COMMAND], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, start_new_session=True)
+                                        stdout=subprocess.PIPE, start_new_session=True,
+                                        env={**os.environ, PARENT_PID: str(os.getpid())})
         self.fd = self.process.stdout.fileno()  # type: ignore[union-attr]
         self.buffer = b""
         self.job: tuple[int, float] | None = None  # (job index, when it was sent)
