@@ -291,6 +291,16 @@ READY = ["ready"]  # a worker's first line: imports done, jobs may be timed from
 STARTUP_LIMIT = 300.0  # seconds a worker may take to get ready (a loaded machine imports slowly)
 
 
+def reap(process: subprocess.Popen) -> None:
+    """Wait for a killed worker and close its pipes (the grading and environment pools' workers)."""
+    process.wait(timeout=10)
+    for pipe in (process.stdin, process.stdout):
+        try:
+            pipe.close()  # type: ignore[union-attr]
+        except OSError:
+            pass
+
+
 class _Worker:
     """One worker process and the job it is running."""
 
@@ -321,12 +331,7 @@ class _Worker:
 
     def kill(self) -> None:
         self.process.kill()
-        self.process.wait(timeout=10)
-        for pipe in (self.process.stdin, self.process.stdout):
-            try:
-                pipe.close()  # type: ignore[union-attr]
-            except OSError:
-                pass
+        reap(self.process)
 
 
 class GradingPool:

@@ -56,7 +56,7 @@ from collections import deque
 from typing import Any
 
 from llmrl.errors import ConfigError, EngineDied
-from llmrl.grading import PARENT_PID, exit_with_parent
+from llmrl.grading import PARENT_PID, exit_with_parent, reap
 from llmrl.tasks.env import Episode, Turn, call_step
 
 ISOLATIONS = ("process", "thread")
@@ -301,12 +301,7 @@ class _Worker:
             os.killpg(self.process.pid, signal.SIGKILL)  # the group: what the environment started dies too
         except (ProcessLookupError, PermissionError):
             pass
-        self.process.wait(timeout=10)
-        for pipe in (self.process.stdin, self.process.stdout):
-            try:
-                pipe.close()  # type: ignore[union-attr]
-            except OSError:
-                pass
+        reap(self.process)
 
 
 class ProcessSteps:
