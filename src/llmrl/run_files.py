@@ -15,6 +15,7 @@ LATEST = "latest"  # in CHECKPOINTS: the name of the newest complete checkpoint
 REPORT = "report.html"
 PLOTS = "plots"
 TENSORBOARD = "tensorboard"
+SCRATCH = ".tmp-adapters-"  # + PID-XXXX: a vLLM engine's scratch adapters (rollout/base.scratch_dir)
 LOCK = ".lock"  # the pid of the trainer writing the run, flock'ed while it runs (not part of the run)
 
 RUN_FILES = (CONFIG, DATA_REPORT, METRICS, SAMPLES, EVAL_SAMPLES, CHECKPOINTS, REPORT, PLOTS, TENSORBOARD)

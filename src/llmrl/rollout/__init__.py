@@ -14,7 +14,8 @@ def _vllm_engine(tokenizer, sampling: Sampling, cfg, plan):
     return VLLMEngine(tokenizer, sampling, model_path=resolve_model_path(cfg.model), device=plan.device, dtype=plan.dtype,
                       lora_r=cfg.lora_r, seed=cfg.seed, eval_max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
                       memory=cfg.vllm_memory, sleep=cfg.vllm_sleep,
-                      max_sequences=max(cfg.rollout_size, cfg.eval_batch_size * cfg.eval_samples_per_prompt))
+                      max_sequences=max(cfg.rollout_size, cfg.eval_batch_size * cfg.eval_samples_per_prompt),
+                      scratch=cfg.output_dir)
 
 
 def _vllm_server_engine(tokenizer, sampling: Sampling, cfg, plan):
@@ -40,7 +41,7 @@ def _vllm_server_engine(tokenizer, sampling: Sampling, cfg, plan):
         key = client_key(cfg.api_key_file)  # a child server gets a fresh key of its own
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
     server = VLLMServer(command, cfg.server_url, Path(cfg.output_dir) / "vllm-server.log", key=key)
-    engine = VLLMServerEngine(tokenizer, sampling, server)
+    engine = VLLMServerEngine(tokenizer, sampling, server, scratch=cfg.output_dir)
     atexit.register(engine.close)
     return engine
 

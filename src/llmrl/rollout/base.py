@@ -12,13 +12,46 @@ which completes a rollout with its old and reference log-probs (engines generate
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
 
+from llmrl.errors import EngineDied
 from llmrl.models.scoring import chunked_logprobs, inference_mode
+from llmrl.run_files import SCRATCH
+
+
+def scratch_dir(run_dir: str | Path | None) -> Path:
+    """A fresh directory for an engine's scratch adapters (the policy of each version, for vLLM to load):
+    `RUN_DIR/.tmp-adapters-PID-XXXX` when the run directory exists and is writable (a killed process's is
+    swept by the run's next start, checkpoint.remove_stale_temporaries), else one in the system's temp dir."""
+    root = Path(run_dir) if run_dir is not None else None
+    if root is not None and root.is_dir() and os.access(root, os.W_OK | os.X_OK):
+        return Path(tempfile.mkdtemp(dir=root, prefix=f"{SCRATCH}{os.getpid()}-"))
+    return Path(tempfile.mkdtemp(prefix=f"llmrl{SCRATCH[4:]}{os.getpid()}-"))
+
+
+def write_adapter(model, path: Path) -> None:
+    """model.save_pretrained(path) for an engine to load; a full disk or an I/O error (safetensors raises its
+    own error for them) becomes EngineDied, so the loop checkpoints the last step and stops in one line."""
+    from safetensors import SafetensorError
+
+    from llmrl.checkpoint import as_os_error
+
+    try:
+        try:
+            model.save_pretrained(str(path))
+        except SafetensorError as e:
+            raise as_os_error(e) from None
+    except OSError as e:
+        shutil.rmtree(path, ignore_errors=True)
+        raise EngineDied(f"could not write the scratch adapter {path}: {e.strerror or e}") from None
 
 
 @dataclass(frozen=True)

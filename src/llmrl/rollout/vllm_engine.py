@@ -27,13 +27,12 @@ import contextlib
 import dataclasses
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from llmrl.errors import ConfigError
-from llmrl.rollout.base import Reply, Sampling
+from llmrl.rollout.base import Reply, Sampling, scratch_dir, write_adapter
 from llmrl.rollout.keyed import mix
 from llmrl.rollout.prompts import encode_prompts, eos_ids
 
@@ -84,7 +83,8 @@ class VLLMEngine:
     sampler_logp = False  # vLLM's log-probs go to engine_logp; the trainer computes the old ones
 
     def __init__(self, tokenizer, sampling: Sampling, *, model_path: str, device: torch.device, dtype: torch.dtype,
-                 lora_r: int, seed: int, eval_max_new_tokens: int, memory: float, sleep: bool, max_sequences: int):
+                 lora_r: int, seed: int, eval_max_new_tokens: int, memory: float, sleep: bool, max_sequences: int,
+                 scratch: str | Path | None = None):
         LLM, self._params, self._lora, self._prompt = import_vllm()
         self.tokenizer, self.sampling = tokenizer, sampling
         self.eos: list[int] = []  # the policy's EOS ids, known at the first sync
@@ -111,7 +111,7 @@ class VLLMEngine:
                 enable_lora=True, max_lora_rank=rank, max_loras=1, logprobs_mode="raw_logprobs", max_model_len=max_len,
                 enable_prefix_caching=False, enforce_eager=cpu, **kwargs,
             )
-        self._dir = Path(tempfile.mkdtemp(prefix="llmrl-vllm-lora-"))
+        self._dir = scratch_dir(scratch)
         atexit.register(self.close)  # the synced adapters are scratch files
         self.lora_id = 0  # LoRA id of the adapter now loaded (0: none yet)
         self.version = -1  # the policy version it holds
@@ -131,7 +131,7 @@ class VLLMEngine:
         old = self.lora_id
         self.lora_id += 1
         path = self._dir / f"v{self.lora_id}"
-        model.save_pretrained(str(path))
+        write_adapter(model, path)
         self.request = self._lora(f"policy-v{version}", self.lora_id, str(path))
         self.version = version
         if old:

@@ -38,7 +38,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.parse
@@ -46,7 +45,7 @@ import urllib.request
 from pathlib import Path
 
 from llmrl.errors import ConfigError, EngineDied
-from llmrl.rollout.base import Reply, Sampling
+from llmrl.rollout.base import Reply, Sampling, scratch_dir, write_adapter
 from llmrl.rollout.keyed import mix
 from llmrl.rollout.prompts import encode_prompts, eos_ids
 from llmrl.rollout.vllm_engine import LORA_RANKS, seed_of
@@ -350,14 +349,15 @@ class VLLMServerEngine:
 
     sampler_logp = False  # the server's log-probs go to engine_logp; the trainer computes the old ones
 
-    def __init__(self, tokenizer, sampling: Sampling, server: VLLMServer, *, keep: int = 2, workers: int = 64):
+    def __init__(self, tokenizer, sampling: Sampling, server: VLLMServer, *, keep: int = 2, workers: int = 64,
+                 scratch: str | Path | None = None):
         self.tokenizer, self.sampling, self.server, self.keep = tokenizer, sampling, server, keep
         self.eos: list[int] = []
         self.version = -1
         self.loaded: list[int] = []  # versions loaded in the server, oldest first
         self.run_id = secrets.token_hex(4)  # in every adapter name: a server may outlive runs, or serve several
         self.vocab = len(tokenizer)  # the policy's embedding rows once loaded: token ids must index them
-        self._dir = Path(tempfile.mkdtemp(prefix="llmrl-vllm-server-lora-"))
+        self._dir = scratch_dir(scratch)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers)
 
     def adapter(self, version: int) -> str:
@@ -376,7 +376,7 @@ class VLLMServerEngine:
         if not final.exists():
             partial = self._dir / f".partial-v{version}"
             shutil.rmtree(partial, ignore_errors=True)
-            model.save_pretrained(str(partial))
+            write_adapter(model, partial)
             os.replace(partial, final)  # the server never reads a half-written adapter
         self.server.request("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(final)})
         if name not in self.server.model_ids():
