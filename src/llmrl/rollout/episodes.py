@@ -27,7 +27,7 @@ import torch
 from llmrl.errors import ConfigError
 from llmrl.rollout.base import Rollout, Sampling
 from llmrl.rollout.keyed import mix
-from llmrl.rollout.prompts import render
+from llmrl.rollout.prompts import render, template_ids, text_ids
 from llmrl.tasks.base import Example
 from llmrl.tasks.env import Episode, OneTurn, Turn, checked_messages
 from llmrl.tasks.workers import TIMEOUT, ProcessSteps, ThreadSteps, env_steps, error_text
@@ -51,33 +51,81 @@ class TemplateError(ConfigError):
     pass
 
 
-def delta_text(tokenizer, history: list[dict[str, str]], new: list[dict[str, str]], end_text: str) -> str:
-    """The text the chat template puts after an assistant reply's end-of-turn token when `new`
-    messages follow it, up to the next reply's start (generation prompt included).
+def delta_ids(tokenizer, history: list[dict[str, str]], new: list[dict[str, str]], end_text: str) -> list[int]:
+    """The token ids of the text the chat template puts after an assistant reply's end-of-turn token when
+    `new` messages follow it, up to the next reply's start (generation prompt included); the new messages'
+    contents are plain text (prompts.template_ids: a spelled special token stays text).
 
     Rendered twice with a placeholder reply: history + reply, and history + reply + new + generation
     prompt; the first must be a prefix of the second (else earlier turns would be re-rendered), and the
-    reply must be closed by `end_text` (the EOS the policy generates)."""
+    reply must be closed by `end_text` (the end-of-turn token the policy generates)."""
     reply = {"role": "assistant", "content": PLACEHOLDER}
     before = tokenizer.apply_chat_template([*history, reply], tokenize=False)
-    after = tokenizer.apply_chat_template([*history, reply, *new], tokenize=False, add_generation_prompt=True)
-    if not after.startswith(before):
-        raise TemplateError("the model's chat template is not prefix-preserving: rendering one more turn changes the "
-                            "earlier ones (e.g. it drops reasoning from past replies), so multi-turn token-in/token-out "
-                            "rollouts cannot append turns; use a model or template without that rewrite")
     end = before.rindex(PLACEHOLDER) + len(PLACEHOLDER)
     if not before.startswith(end_text, end):
-        raise TemplateError(f"the model's chat template does not close an assistant reply with its EOS token "
+        raise TemplateError(f"the model's chat template does not close an assistant reply with its end-of-turn token "
                             f"{end_text!r} (it writes {before[end:end + 20]!r}): the policy's replies cannot be "
                             "continued token for token")
-    return after[end + len(end_text):]
+
+    def delta(messages: list[dict[str, str]]) -> str:
+        after = tokenizer.apply_chat_template([*history, reply, *messages], tokenize=False, add_generation_prompt=True)
+        if not after.startswith(before):
+            raise TemplateError("the model's chat template is not prefix-preserving: rendering one more turn changes "
+                                "the earlier ones (e.g. it drops reasoning from past replies), so multi-turn "
+                                "token-in/token-out rollouts cannot append turns; use a model or template without "
+                                "that rewrite")
+        return after[end + len(end_text):]
+
+    return template_ids(tokenizer, delta, new)
+
+
+def end_of_turn(tokenizer, eos: list[int]) -> int:
+    """The EOS id the chat template writes right after an assistant reply (render a placeholder reply, read
+    the token after it): Qwen2.5-Instruct's <|im_end|> 151645, not <|endoftext|> 151643; Llama-3's <|eot_id|>.
+    A template that closes replies with none of the EOS ids is a one-line TemplateError."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi."},
+                                          {"role": "assistant", "content": PLACEHOLDER}], tokenize=False)
+    after = text[text.rindex(PLACEHOLDER) + len(PLACEHOLDER):]
+    first = tokenizer(after, add_special_tokens=False)["input_ids"][:1]
+    if not first or first[0] not in eos:
+        raise TemplateError(f"the model's chat template does not close an assistant reply with one of its EOS tokens "
+                          f"{[tokenizer.decode([e]) for e in eos]} (it writes {after[:20]!r}): the policy's replies "
+                          "cannot be continued token for token")
+    return first[0]
+
+
+def prompt_length(tokenizer, messages: list[dict[str, str]]) -> int:
+    return len(render(tokenizer, messages))
+
+
+def encode_prompts(tokenizer, messages: list[list[dict[str, str]]], max_prompt_tokens: int, device: torch.device):
+    """Render chat messages with the model's template, keep the last `max_prompt_tokens` tokens,
+    left-pad. Returns (ids [B, P], attention_mask [B, P], number of prompts truncated)."""
+    token_lists = [render(tokenizer, m) for m in messages]
+    truncated = sum(len(t) > max_prompt_tokens for t in token_lists)
+    token_lists = [t[-max_prompt_tokens:] for t in token_lists]
+    width = max(len(t) for t in token_lists)
+    ids = torch.full((len(token_lists), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(token_lists), width), dtype=torch.long)
+    for i, t in enumerate(token_lists):
+        ids[i, width - len(t) :] = torch.tensor(t, dtype=torch.long)
+        mask[i, width - len(t) :] = 1
+    return ids.to(device), mask.to(device), truncated
+
+
+def decode_completions(tokenizer, completions: torch.Tensor, lengths: torch.Tensor, ended: torch.Tensor) -> list[str]:
+    """Completion texts without the EOS token: completions [N, T], lengths [N] (EOS included)."""
+    return [
+        tokenizer.decode(row[: int(n) - int(e)].tolist(), skip_special_tokens=True)
+        for row, n, e in zip(completions, lengths, ended)
+    ]
 
 
 def check_template(tokenizer, end_text: str) -> None:
     """Start-up check for environments: the template renders k turns as a prefix of k + 1 (two deltas)."""
     history = [{"role": "user", "content": "Start."}]
     for k in range(2):
-        delta_text(tokenizer, history, [{"role": "user", "content": f"Turn {k}."}], end_text)
+        delta_ids(tokenizer, history, [{"role": "user", "content": f"Turn {k}."}], end_text)
         history = [*history, {"role": "assistant", "content": f"Reply {k}."}, {"role": "user", "content": f"Turn {k}."}]
 
 
@@ -86,8 +134,7 @@ def message_overhead(tokenizer, end_text: str) -> int:
     the end of the reply's turn, the message's framing, the next generation prompt): an upper bound of
     what each message of a turn costs beyond its content."""
     history = [{"role": "user", "content": "Hi."}]
-    return len(tokenizer(delta_text(tokenizer, history, [{"role": "user", "content": ""}], end_text),
-                         add_special_tokens=False)["input_ids"])
+    return len(delta_ids(tokenizer, history, [{"role": "user", "content": ""}], end_text))
 
 
 def capped_turn(tokenizer, messages: list[dict[str, str]], max_tokens: int, overhead: int) -> tuple[list[dict[str, str]], int]:
@@ -100,7 +147,7 @@ def capped_turn(tokenizer, messages: list[dict[str, str]], max_tokens: int, over
         left -= overhead if k else 0
         if left <= 0:
             return kept, cut + len(messages) - k
-        ids = tokenizer(m["content"], add_special_tokens=False)["input_ids"]
+        ids = text_ids(tokenizer, m["content"])
         if len(ids) > left:
             m, cut, ids = {**m, "content": tokenizer.decode(ids[:left]) + TRUNCATED}, cut + 1, ids[:left]
         kept.append(m)
@@ -118,8 +165,10 @@ def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size:
     for this call only). Returns the rows as a Rollout on `device` (the trainer's; logp_old None: the
     trainer scores them, except hf's sampler log-probs; engine_logp when the engine gave log-probs for
     every reply) and the episodes."""
-    end_text = tokenizer.decode([eos[0]]) if eos else tokenizer.eos_token
     one_turn = isinstance(env, OneTurn)
+    # the end-of-turn id the template closes a reply with; a reply that ends on another EOS id ends its episode
+    turn_end = None if one_turn or limits.max_turns == 1 else end_of_turn(tokenizer, eos or [tokenizer.eos_token_id])
+    end_text = "" if turn_end is None else tokenizer.decode([turn_end])
     if steps is None and not one_turn:
         with contextlib.closing(ThreadSteps(env, 4)) as own:
             return run_episodes(engine, env, tokenizer, examples, group_size=group_size, seed=seed,
@@ -181,11 +230,11 @@ def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size:
                 if not ended:
                     ep.cut = "reply_tokens" if spent[i] < limits.episode_tokens else "episode_tokens"
                     continue
-                stepping.append((i, text))
+                stepping.append((i, text, turn_end is not None and ids[-1] != turn_end))
             # a single-turn task has no step to run; an environment's steps of this turn run at once
             outs = ([Turn(None)] * len(stepping) if one_turn else
-                    steps.run([(episodes[i], text) for i, text in stepping], limits.env_timeout))
-            for (i, _), out in zip(stepping, outs):
+                    steps.run([(episodes[i], text) for i, text, _ in stepping], limits.env_timeout))
+            for (i, _, other_eos), out in zip(stepping, outs):
                 ep = episodes[i]
                 if isinstance(out, str):  # it raised, overran or returned something that is not a Turn
                     ep.cut, ep.error = "env_error", out
@@ -194,7 +243,7 @@ def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size:
                     ep.parts[name] = ep.parts.get(name, 0.0) + v
                 ep.tool_calls += out.tool_calls
                 ep.tool_errors += out.tool_errors
-                if out.messages is None:
+                if out.messages is None or other_eos:  # the environment ended it, or the reply's EOS id did
                     ep.done = ep.cut is None
                     continue
                 if spent[i] >= limits.episode_tokens:
@@ -206,7 +255,7 @@ def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size:
                 new, cut = capped_turn(tokenizer, out.messages, limits.env_tokens, overhead)
                 ep.env_truncated += cut
                 # the history before this reply: delta_text renders it with a placeholder reply
-                delta = tokenizer(delta_text(tokenizer, ep.messages[:-1], new, end_text), add_special_tokens=False)["input_ids"]
+                delta = delta_ids(tokenizer, ep.messages[:-1], new, end_text)
                 tails[i].append((delta, False, None, None))
                 contexts[i] += delta
                 ep.env_tokens += len(delta)
@@ -291,7 +340,7 @@ def episode_runner(cfg, env, tokenizer, eos: list[int], device: torch.device | s
     limits = Limits(max_turns=turns, episode_tokens=budget, reply_tokens=cfg.max_new_tokens,
                     env_tokens=cfg.max_env_tokens, env_timeout=cfg.env_timeout)
     if turns > 1:
-        check_template(tokenizer, tokenizer.decode([eos[0]]) if eos else tokenizer.eos_token)
+        check_template(tokenizer, tokenizer.decode([end_of_turn(tokenizer, eos or [tokenizer.eos_token_id])]))
     steps = None if isinstance(env, OneTurn) else env_steps(cfg.env_isolation, env, cfg.env_workers)
     return EpisodeRunner(env, tokenizer, limits, eos, device, steps)
 
