@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from llmrl.algorithms.core import completion_mask
@@ -33,6 +33,28 @@ def greedy_config(tokenizer, eos: list[int], *, repetition_penalty: float, min_n
         do_sample=False, repetition_penalty=repetition_penalty, min_new_tokens=min_new_tokens,
         max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, use_cache=True,
     )
+
+
+class RepetitionPenalty(LogitsProcessor):
+    """transformers' repetition penalty (the score of each id the row holds: × penalty where < 0,
+    else ÷ penalty) over the row's own tokens only: its input columns where input_mask [N, W] is 1 and
+    its generated tokens up to and including its first EOS. transformers' own skips at most a row's
+    leading padding: it counts the gaps resume_rows leaves between a kept prefix and the new tokens and
+    the padding after a finished row's EOS, which depend on the other rows of the batch."""
+
+    def __init__(self, penalty: float, input_mask: torch.Tensor, eos: list[int]):
+        self.penalty, self.input_mask, self.eos = penalty, input_mask.bool(), torch.tensor(eos, dtype=torch.long)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        vocab = scores.shape[-1]
+        generated = input_ids[:, self.input_mask.shape[1]:]
+        stop = torch.isin(generated, self.eos.to(generated.device)).long()
+        real = torch.cat([self.input_mask.to(input_ids.device), stop.cumsum(1) - stop == 0], 1)
+        ids = input_ids.clamp(max=vocab).masked_fill(~real, vocab)  # vocab: a spare column, dropped below
+        scores = torch.nn.functional.pad(scores, (0, 1))
+        score = scores.gather(1, ids)
+        score = torch.where(score < 0, score * self.penalty, score / self.penalty)
+        return scores.scatter(1, ids, score)[:, :vocab]
 
 
 class GrowingLayer(DynamicLayer):
@@ -87,7 +109,8 @@ def generate(
     The prompt minus its last token is prefilled once per prompt; the cache is repeated G times and
     `generate` continues from it, which gives the same tokens as generating from the repeated prompts.
     A `cache` given (group_size 1) already holds the first columns of the prompt; generate runs the rest.
-    With a `sampler`, tokens are drawn by it; otherwise greedily.
+    With a `sampler`, tokens are drawn by it; otherwise greedily. A repetition penalty other than 1
+    counts each row's own tokens only (RepetitionPenalty, in place of transformers' own).
     """
     if cache is None:
         cache = growing_cache(model.config, reserve=prompt_ids.shape[1] + gen_config.max_new_tokens)
@@ -101,12 +124,19 @@ def generate(
         assert group_size == 1, "a given cache holds one row per prompt"
     gen_config = copy.copy(gen_config)
     gen_config.return_dict_in_generate, gen_config.output_logits = True, with_logits
+    input_mask = prompt_mask.repeat_interleave(group_size, 0)
+    processors = [] if sampler is None else [sampler]
+    if gen_config.repetition_penalty not in (None, 1.0):  # before the sampler, as transformers' own would be
+        eos = gen_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        processors.insert(0, RepetitionPenalty(gen_config.repetition_penalty, input_mask, eos))
+        gen_config.repetition_penalty = 1.0
     out = model.generate(
         input_ids=prompt_ids.repeat_interleave(group_size, 0),
-        attention_mask=prompt_mask.repeat_interleave(group_size, 0),
+        attention_mask=input_mask,
         **{CACHE: cache if cache.get_seq_length() else None},
         generation_config=gen_config,
-        logits_processor=LogitsProcessorList([sampler]) if sampler is not None else None,
+        logits_processor=LogitsProcessorList(processors) if processors else None,
     )
     return out.sequences, (out.logits if with_logits else None), getattr(out, CACHE, None)
 
