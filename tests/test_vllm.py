@@ -224,3 +224,31 @@ def test_two_ranks_each_with_its_own_vllm_engine_equal_one(tmp_path, vllm_model_
     a, b = (load_file(tmp_path / run / "checkpoints/step_000003/adapter_model.safetensors") for run in ("one", "two"))
     assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
     assert [r["step"] for r in read_jsonl(tmp_path / "two" / "metrics.jsonl")] == [0, 1, 1, 2, 2, 3, 3]  # each record once
+
+
+def test_a_near_limit_prompt_plays_three_turns_on_vllm(vllm_model_dir):
+    """The longest context of a 3-turn episode, a prompt of max_prompt_tokens then two replies and two environment
+    turns of max_env_tokens with their framing, gets its third reply: the engine's context holds whole episodes
+    (the old max_model_len held the prompt and one reply, so turn 2 already overflowed)."""
+    sys.path.insert(0, str(TESTS))
+    from test_budgets import Talker
+
+    from llmrl.rollout.episodes import episode_runner
+    from llmrl.rollout.prompts import eos_ids
+
+    cfg = vllm_config(vllm_model_dir, max_new_tokens=8, min_new_tokens=8, max_prompt_tokens=64, batch_size=2,
+                      group_size=2, minibatch_size=2, max_turns=3, max_env_tokens=30, env_isolation="thread")
+    plan = resolve(cfg)
+    model, tok, _ = build_policy(cfg, plan)
+    runner = episode_runner(cfg, Talker(), tok, eos_ids(model, tok))
+    limits = runner.limits
+    assert limits.framing > 0 and limits.episode_tokens == 3 * 8
+    engine = make_engine(cfg, plan, tok, limits)
+    engine.load(model, 0)
+    word = tok("word", add_special_tokens=False)["input_ids"][0]
+    longest = 64 + 2 * 8 + 2 * (30 + limits.framing)  # what turn 3 may be asked to continue
+    with engine.episodes():
+        replies = engine.continue_ids([[word] * longest, [word] * 64], [1, 2], engine.sampling, 8)
+    assert [len(r.ids) for r in replies] == [8, 8]
+    runner.steps.close()
+    engine.close()

@@ -226,7 +226,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     preflight(cfg)
-    model, tokenizer, _ = build_policy(cfg, resolve(cfg))
+    plan = resolve(cfg)
+    model, tokenizer, _ = build_policy(cfg, plan)
     if adapter is not None:
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
@@ -235,9 +236,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     task = task_from_config(cfg)
     if adapter is None:
         with model.disable_adapter():
-            metrics, rows = eval_policy(cfg, model, tokenizer, task)
+            metrics, rows = eval_policy(cfg, model, tokenizer, task, plan=plan)
     else:
-        metrics, rows = eval_policy(cfg, model, tokenizer, task)
+        metrics, rows = eval_policy(cfg, model, tokenizer, task, plan=plan)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)

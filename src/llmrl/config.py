@@ -109,7 +109,7 @@ class TrainConfig:
     api_key_file: str | None = doc(None, "vllm-server with server_url: a file holding the server's API key (`llmrl serve` prints where it wrote one); unset: the LLMRL_API_KEY environment variable. The key itself is never written to the run")
     vllm_memory: float = doc(0.3, "vllm on CUDA: share of the GPU's memory for the engine (gpu_memory_utilization); on CPU the KV cache is sized to the run's batch")
     vllm_sleep: bool = doc(True, "vllm on CUDA: put the engine to sleep (weights offloaded, KV cache freed) during each update")
-    max_staleness: int = doc(0, "async rollouts (vllm-server): 0 = synchronous; k >= 1 = the rollouts of step s+1 are drawn by a thread, from the policy before step s, while step s learns (one step ahead: every batch is 1 policy version old), batches more than k versions old are dropped and drawn again; their old log-probs are the engine's (the behaviour policy)")
+    max_staleness: int = doc(0, "async rollouts (vllm-server, algo grpo): 0 = synchronous; 1 = the rollouts of step s+1 are drawn by a thread, from the policy before step s, while step s learns (one step ahead: every batch is exactly 1 policy version old); their old log-probs are the engine's (the behaviour policy)")
     old_logprobs: str = doc("trainer", "where logp_old comes from with the vllm engine: trainer (recomputed, the seed's) or engine (vLLM's own sampled-token log-probs: one forward less)")
     mismatch_correction: str = doc("none", "training-inference mismatch correction with the vllm engine, per completion token x_t = log π_old − log π_engine, r = exp(Σ_t x_t), C = mismatch_cap (README: the table): none; token_tis: each token's loss × min(e^x_t, C) (TRL token_truncate, verl rollout_is=token); sequence_truncate: every token of a completion × min(r, C) (TRL sequence_truncate, verl rollout_is=sequence); sequence_mask: × r where r ≤ C, else 0 (TRL sequence_mask, no lower bound); geo_mean_mask: × 1 where exp(mean_t x_t) is in [1/C, C], else 0, the tokens staying in the normaliser (llmrl's sequence_mask before); seq_mean_k1: the same completions rejected and taken out of the loss mask, so out of the token-mean normaliser and the KL (verl rollout_rs=seq_mean_k1, threshold C). With old_logprobs=engine and grpo, x uses π_θ (detached) and the loss already carries ρ_t = e^x_t, so token_tis weighs min(ρ_t, C)/ρ_t, sequence_truncate min(r, C)/r, sequence_mask 1 where r ≤ C (the other two are unchanged)")
     mismatch_cap: float = doc(2.0, "cap C of mismatch_correction (every mode; see its help): token_tis and sequence_truncate cap their weight at C, sequence_mask drops r > C, geo_mean_mask and seq_mean_k1 keep exp(mean log-ratio) within [1/C, C]")
@@ -449,6 +449,12 @@ def validate(cfg: TrainConfig) -> None:
          f"needs rollout_engine=vllm-server (the {cfg.rollout_engine} engine samples the weights the update is changing)")
     rule(cfg.max_staleness == 0 or not cfg.dynamic_sampling, "max_staleness",
          "does not combine with dynamic_sampling (its extra rounds need the current policy)")
+    rule(cfg.max_staleness <= 1, "max_staleness",
+         "must be 0 (synchronous) or 1 (drawn one step ahead: every batch is exactly one version old); a deeper queue "
+         "of in-flight batches is not built")
+    rule(cfg.max_staleness == 0 or cfg.algo != "reinforce", "max_staleness",
+         "must be 0 with algo=reinforce: its loss has no ratio to the behaviour policy, so a batch one version old "
+         "would be learned off-policy without correction; use algo=grpo (its clipped ratio is to the engine's log-probs)")
     rule(world == 1 or not cfg.dynamic_sampling, "dynamic_sampling", f"is single-process for now (WORLD_SIZE={world})")
     rule(cfg.dist_timeout > 0, "dist_timeout", "must be positive")
     rule(world == 1 or not cfg.device.startswith("cuda:"), "device",
@@ -582,6 +588,7 @@ class Plan:
     measure_kernels: bool  # ... only where a start-up measurement finds them faster (onednn_linear unset)
     keep_heap_memory: bool  # CPU: glibc keeps freed memory for reuse
     gradient_checkpointing: bool
+    world_size: int = 1  # processes training together (torchrun's WORLD_SIZE)
 
 
 def resolve(cfg: TrainConfig) -> Plan:
@@ -615,4 +622,5 @@ def resolve(cfg: TrainConfig) -> Plan:
         fuse_lora=cfg.fast and cfg.fuse_lora, grouped_attention=cfg.fast and cpu, hash_dropout=cfg.fast and cfg.hash_dropout and cpu, onednn_linear=bool(cfg.fast and cfg.onednn_linear is not False and cpu),
         measure_kernels=cfg.onednn_linear is None,
         keep_heap_memory=cfg.fast and cfg.keep_heap_memory and cpu, gradient_checkpointing=cfg.gradient_checkpointing,
+        world_size=int(os.environ.get("WORLD_SIZE", "1")),
     )

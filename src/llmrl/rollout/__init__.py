@@ -7,18 +7,39 @@ from llmrl.rollout.base import Rollout, RolloutEngine, Sampling, add_logprobs
 from llmrl.rollout.hf import HFEngine
 
 
-def _vllm_engine(tokenizer, sampling: Sampling, cfg, plan):
+def context_tokens(cfg, limits) -> int:
+    """The longest row a vLLM engine must hold, within the model's positions: the prompt, then one reply
+    (training's or eval's cap, whichever is larger) or, for an environment (`limits`: its Limits), every reply
+    and environment turn of an episode."""
+    from transformers import AutoConfig
+
+    from llmrl.models.loading import resolve_model_path
+
+    reply = max(cfg.max_new_tokens, cfg.eval_max_new_tokens or cfg.max_new_tokens)
+    longest = limits.context_tokens(cfg.max_prompt_tokens, reply) if limits is not None else \
+        cfg.max_prompt_tokens + reply + 8
+    positions = getattr(AutoConfig.from_pretrained(resolve_model_path(cfg.model)), "max_position_embeddings", None)
+    return min(longest, positions or longest)
+
+
+def rank_sequences(cfg, plan) -> int:
+    """Sequences one rank's engine holds at once: its share of a step's rollouts (prompts are split over the
+    ranks, G rows each) or of an eval batch."""
+    prompts = -(-cfg.batch_size // plan.world_size)
+    return max(prompts * cfg.group_size, cfg.eval_batch_size * cfg.eval_samples_per_prompt)
+
+
+def _vllm_engine(tokenizer, sampling: Sampling, cfg, plan, limits):
     from llmrl.models.loading import resolve_model_path
     from llmrl.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine(tokenizer, sampling, model_path=resolve_model_path(cfg.model), device=plan.device, dtype=plan.dtype,
-                      lora_r=cfg.lora_r, seed=cfg.seed, eval_max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
-                      memory=cfg.vllm_memory, sleep=cfg.vllm_sleep,
-                      max_sequences=max(cfg.rollout_size, cfg.eval_batch_size * cfg.eval_samples_per_prompt),
+                      lora_r=cfg.lora_r, seed=cfg.seed, max_len=context_tokens(cfg, limits), memory=cfg.vllm_memory,
+                      sleep=cfg.vllm_sleep, max_sequences=rank_sequences(cfg, plan), world_size=plan.world_size,
                       scratch=cfg.output_dir)
 
 
-def _vllm_server_engine(tokenizer, sampling: Sampling, cfg, plan):
+def _vllm_server_engine(tokenizer, sampling: Sampling, cfg, plan, limits):
     import atexit
     from pathlib import Path
 
@@ -29,12 +50,8 @@ def _vllm_server_engine(tokenizer, sampling: Sampling, cfg, plan):
     command, key = None, None
     if cfg.server_url is None:
         path = resolve_model_path(cfg.model)
-        from transformers import AutoConfig
-
-        turns = cfg.max_turns or 4  # environments: replies and environment messages after the prompt
-        max_len = cfg.max_prompt_tokens + turns * (cfg.max_new_tokens + cfg.max_env_tokens + 16)
-        max_len = min(max_len, getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None) or max_len)
-        kv = kv_cache_bytes(path, cfg.rollout_size, max_len, plan.dtype) if plan.device.type == "cpu" else None
+        max_len = context_tokens(cfg, limits)
+        kv = kv_cache_bytes(path, rank_sequences(cfg, plan), max_len, plan.dtype) if plan.device.type == "cpu" else None
         command = serve_command(path, port=free_port(), lora_r=cfg.lora_r, max_loras=2, seed=cfg.seed, max_len=max_len,
                                 dtype=str(plan.dtype).removeprefix("torch."), cpu_kv_bytes=kv)
     else:
@@ -47,19 +64,20 @@ def _vllm_server_engine(tokenizer, sampling: Sampling, cfg, plan):
 
 
 ENGINES = {
-    "hf": lambda tokenizer, sampling, cfg, plan: HFEngine(tokenizer, sampling, eval_batch_size=cfg.eval_batch_size,
-                                                          merge_lora=plan.merge_lora, sampler_logp=plan.sampler_logp),
+    "hf": lambda tokenizer, sampling, cfg, plan, limits: HFEngine(tokenizer, sampling, eval_batch_size=cfg.eval_batch_size,
+                                                                  merge_lora=plan.merge_lora, sampler_logp=plan.sampler_logp),
     "vllm": _vllm_engine,
     "vllm-server": _vllm_server_engine,
 }
 
 
-def make_engine(cfg, plan, tokenizer) -> RolloutEngine:
-    """The engine a TrainConfig and its Plan ask for."""
+def make_engine(cfg, plan, tokenizer, limits=None) -> RolloutEngine:
+    """The engine a TrainConfig and its Plan ask for; `limits`: an environment's episode Limits (a vLLM engine
+    sizes its context for whole episodes), None for a single-turn task."""
     sampling = Sampling(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                         repetition_penalty=cfg.repetition_penalty, min_new_tokens=cfg.min_new_tokens,
                         max_new_tokens=cfg.max_new_tokens, max_prompt_tokens=cfg.max_prompt_tokens)
-    return ENGINES[plan.engine](tokenizer, sampling, cfg, plan)
+    return ENGINES[plan.engine](tokenizer, sampling, cfg, plan, limits)
 
 
 __all__ = ["ENGINES", "HFEngine", "Rollout", "RolloutEngine", "Sampling", "add_logprobs", "make_engine"]

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from llmrl.errors import EngineDied
+from llmrl.errors import EngineDied, RunStopped
 from llmrl.models.scoring import chunked_logprobs, inference_mode
 from llmrl.run_files import SCRATCH
 
@@ -32,9 +32,13 @@ def scratch_dir(run_dir: str | Path | None) -> Path:
     `RUN_DIR/.tmp-adapters-PID-XXXX` when the run directory exists and is writable (a killed process's is
     swept by the run's next start, checkpoint.remove_stale_temporaries), else one in the system's temp dir."""
     root = Path(run_dir) if run_dir is not None else None
-    if root is not None and root.is_dir() and os.access(root, os.W_OK | os.X_OK):
-        return Path(tempfile.mkdtemp(dir=root, prefix=f"{SCRATCH}{os.getpid()}-"))
-    return Path(tempfile.mkdtemp(prefix=f"llmrl{SCRATCH[4:]}{os.getpid()}-"))
+    try:
+        if root is not None and root.is_dir() and os.access(root, os.W_OK | os.X_OK):
+            return Path(tempfile.mkdtemp(dir=root, prefix=f"{SCRATCH}{os.getpid()}-"))
+        return Path(tempfile.mkdtemp(prefix=f"llmrl{SCRATCH[4:]}{os.getpid()}-"))
+    except OSError as e:
+        raise RunStopped(f"could not make a directory for the rollout engine's adapters in {root or tempfile.gettempdir()}: "
+                         f"{e.strerror or e}; fix the cause and run the command again") from None
 
 
 def write_adapter(model, path: Path) -> None:

@@ -45,6 +45,12 @@ class Limits:
     reply_tokens: int  # sampled tokens per reply (max_new_tokens)
     env_tokens: int  # tokens one environment turn may add, all its messages together (capped_turn)
     env_timeout: float  # seconds one env.step may take
+    framing: int = 0  # tokens an environment turn may add beyond env_tokens (the template's framing, the cut marker)
+
+    def context_tokens(self, prompt_tokens: int, reply_tokens: int = 0) -> int:
+        """The longest row an engine must hold: the prompt, the episode's sampled tokens (its budget, or
+        `reply_tokens` if more: eval's cap) and each environment turn between replies, plus 8 spare."""
+        return prompt_tokens + max(self.episode_tokens, reply_tokens) + (self.max_turns - 1) * (self.env_tokens + self.framing) + 8
 
 
 class TemplateError(ConfigError):
@@ -229,6 +235,7 @@ def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size:
                 ep.replies += 1
                 if not ended:
                     ep.cut = "reply_tokens" if spent[i] < limits.episode_tokens else "episode_tokens"
+                    ep.truncated = True
                     continue
                 stepping.append((i, text, turn_end is not None and ids[-1] != turn_end))
             # a single-turn task has no step to run; an environment's steps of this turn run at once
@@ -273,7 +280,8 @@ def to_rows(prompts: list[list[int]], tails: list[list[Segment]], episodes: list
             truncated: int, device: torch.device | str = "cpu") -> Rollout:
     """Episodes as one Rollout on `device`: prompts left-padded to P, trajectories right-padded to T; mask
     1 on sampled tokens (column P+j−1 scores tail token j); engine_logp (and entropy) where every reply
-    has them."""
+    has them; `ended` False where the last reply was cut by a token cap (an episode ended by max_turns, an
+    environment error or the episode budget after a whole reply is not truncated)."""
     n = len(prompts)
     p = max(len(x) for x in prompts)
     t = max(1, max(sum(len(seg[0]) for seg in tail) for tail in tails))
@@ -295,7 +303,7 @@ def to_rows(prompts: list[list[int]], tails: list[list[Segment]], episodes: list
                         if out is not None:
                             out[i, col - 1: col - 1 + len(ids)] = torch.tensor(v, dtype=torch.float32)
             col += len(ids)
-    ended = torch.tensor([ep.cut is None for ep in episodes])
+    ended = torch.tensor([not ep.truncated for ep in episodes])  # a row is truncated when its last reply was cut
     texts = [ep.last_reply for ep in episodes]
 
     def on(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -340,7 +348,9 @@ def episode_runner(cfg, env, tokenizer, eos: list[int], device: torch.device | s
     limits = Limits(max_turns=turns, episode_tokens=budget, reply_tokens=cfg.max_new_tokens,
                     env_tokens=cfg.max_env_tokens, env_timeout=cfg.env_timeout)
     if turns > 1:
-        check_template(tokenizer, tokenizer.decode([end_of_turn(tokenizer, eos or [tokenizer.eos_token_id])]))
+        end_text = tokenizer.decode([end_of_turn(tokenizer, eos or [tokenizer.eos_token_id])])
+        check_template(tokenizer, end_text)
+        limits.framing = message_overhead(tokenizer, end_text) + len(text_ids(tokenizer, TRUNCATED))
     steps = None if isinstance(env, OneTurn) else env_steps(cfg.env_isolation, env, cfg.env_workers)
     return EpisodeRunner(env, tokenizer, limits, eos, device, steps)
 

@@ -45,6 +45,18 @@ def seed_of(key: int) -> int:
 
 
 @contextlib.contextmanager
+def temp_dir(path: Path):
+    """tempfile's directory is `path` inside the block."""
+    import tempfile
+
+    before, tempfile.tempdir = tempfile.tempdir, str(path)
+    try:
+        yield
+    finally:
+        tempfile.tempdir = before
+
+
+@contextlib.contextmanager
 def kept_rng_state():
     """Restore Python's, NumPy's and torch's global RNG states (CPU and CUDA) on exit."""
     import random
@@ -83,8 +95,8 @@ class VLLMEngine:
     sampler_logp = False  # vLLM's log-probs go to engine_logp; the trainer computes the old ones
 
     def __init__(self, tokenizer, sampling: Sampling, *, model_path: str, device: torch.device, dtype: torch.dtype,
-                 lora_r: int, seed: int, eval_max_new_tokens: int, memory: float, sleep: bool, max_sequences: int,
-                 scratch: str | Path | None = None):
+                 lora_r: int, seed: int, max_len: int, memory: float, sleep: bool, max_sequences: int,
+                 world_size: int = 1, scratch: str | Path | None = None):
         LLM, self._params, self._lora, self._prompt = import_vllm()
         self.tokenizer, self.sampling = tokenizer, sampling
         self.eos: list[int] = []  # the policy's EOS ids, known at the first sync
@@ -92,7 +104,6 @@ class VLLMEngine:
         if rank is None:
             raise ConfigError(f"rollout_engine=vllm: lora_r={lora_r} is above vLLM's largest LoRA rank {LORA_RANKS[-1]}")
         cpu = device.type == "cpu"
-        max_len = sampling.max_prompt_tokens + max(sampling.max_new_tokens, eval_max_new_tokens) + 8
         if cpu:  # a KV cache for the run's own batch (vLLM's CPU default takes a share of all RAM)
             # and room to prefill the whole batch in one step: a prefill split across steps (chunked,
             # past 4096 tokens by default) discards a seeded request's token by rewinding its CPU
@@ -102,17 +113,20 @@ class VLLMEngine:
         else:
             kwargs = {"gpu_memory_utilization": memory, "enable_sleep_mode": sleep}
         self.sleep_mode = sleep and not cpu
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: one engine per rank on the trainer's process
+        self.world_size = world_size
+        if world_size > 1:  # torchrun: one engine per rank on the trainer's process
             # group (RANK, LOCAL_RANK, MASTER_ADDR/PORT), tensor parallel 1, each rank sampling its own share
             kwargs["distributed_executor_backend"] = "external_launcher"
-        with kept_rng_state():  # vLLM seeds the process's RNGs; the trainer's (resumed) streams must not move
+        self._dir = scratch_dir(scratch)
+        atexit.register(self.close)  # the synced adapters are scratch files
+        # vLLM seeds the process's RNGs (the trainer's resumed streams must not move) and puts its process group's
+        # file store in the temp dir (kept there after it exits): in the scratch directory, it goes with it
+        with kept_rng_state(), temp_dir(self._dir):
             self.llm = LLM(
                 model=model_path, tokenizer=model_path, dtype=str(dtype).removeprefix("torch."), seed=seed,
                 enable_lora=True, max_lora_rank=rank, max_loras=1, logprobs_mode="raw_logprobs", max_model_len=max_len,
                 enable_prefix_caching=False, enforce_eager=cpu, **kwargs,
             )
-        self._dir = scratch_dir(scratch)
-        atexit.register(self.close)  # the synced adapters are scratch files
         self.lora_id = 0  # LoRA id of the adapter now loaded (0: none yet)
         self.version = -1  # the policy version it holds
         self.request = None
@@ -147,7 +161,7 @@ class VLLMEngine:
         """Remove the adapters; under torchrun also shut vLLM down now, which takes the process group
         down with it (so a run closes its engine after the ranks' last collective: training/loop.py)."""
         shutil.rmtree(self._dir, ignore_errors=True)
-        if self.llm is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1 and torch.distributed.is_initialized():
+        if self.llm is not None and self.world_size > 1 and torch.distributed.is_initialized():
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
 

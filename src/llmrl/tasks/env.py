@@ -59,6 +59,7 @@ class Episode:
     env_truncated: int = 0  # environment messages cut or dropped at the per-turn cap (max_env_tokens)
     done: bool = False  # the environment ended it (Turn(None))
     cut: str | None = None  # or a limit did: "max_turns", "episode_tokens", "reply_tokens", "env_error"
+    truncated: bool = False  # its last reply was cut by a token cap before its EOS (what overlong_* act on)
     error: str | None = None  # what the environment raised, returned wrongly or "timeout after …", with cut == "env_error"
 
     first: int = 0  # how many of `messages` came from reset (the prompt)

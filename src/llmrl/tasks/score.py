@@ -24,8 +24,23 @@ def _number(value: Any) -> float | int:
     return value if isinstance(value, (float, int)) else float(value)
 
 
+# reward/<name> keys llmrl logs itself, and the shaping terms it adds as components: a task's component or count
+# under one of these names would overwrite them in metrics.jsonl
+RESERVED = ("mean", "std", "min", "max", "errors", "overlong", "kl_penalty")
+
+
+class ReservedName(RunStopped):
+    """A reward component or count named like a metric llmrl logs itself (the loop checkpoints the last step and
+    stops in one line)."""
+
+
 def _checked(r: Reward) -> Reward:
-    """`r` with plain Python numbers throughout (the logs are JSON), after checking its total is finite."""
+    """`r` with plain Python numbers throughout (the logs are JSON), after checking its total is finite and
+    that no component or count takes a name llmrl logs itself (ReservedName: one line, the run stops)."""
+    clash = [str(k) for k in (*r.components, *r.counts) if str(k) in RESERVED]
+    if clash:
+        raise ReservedName(f"the reward names a component or count {clash[0]!r}, which would overwrite llmrl's own "
+                           f"reward/{clash[0]} in the logs; rename it (taken: {', '.join(RESERVED)})")
     total = float(_number(r.total))
     if not math.isfinite(total):
         raise ValueError(f"reward is {r.total}")
@@ -56,6 +71,8 @@ def _guarded(compute, strict: bool, what: str) -> Reward | None:
     """compute() checked finite, or None when it raised (with `strict`: RunStopped naming `what`)."""
     try:
         return _checked(compute())
+    except ReservedName:
+        raise
     except Exception as e:  # noqa: BLE001 - a user's reward function or environment may raise anything
         if strict:
             raise RunStopped(f"{what} raised {type(e).__name__}: {e} (--strict_rewards); the last checkpoint is intact") from None

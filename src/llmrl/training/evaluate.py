@@ -128,7 +128,7 @@ def evaluate_episodes(engine, env, examples: list[Example], mine: list[Example],
                              sampling=sampling, greedy=k == 1)
     played = [ep for part in dist.gather(played) for ep in part]
     scores = score_episodes(env, played, strict=False, where="eval")
-    metrics = common_metrics(lambda: env.evaluate(played), "environment", scores, sum(ep.cut is not None for ep in played))
+    metrics = common_metrics(lambda: env.evaluate(played), "environment", scores, sum(ep.truncated for ep in played))
     n = max(len(played), 1)
     metrics["eval/turns"] = sum(ep.replies for ep in played) / n
     metrics["eval/tool_calls"] = sum(ep.tool_calls for ep in played) / n

@@ -22,6 +22,7 @@ from llmrl.checkpoint import checkpoint_dir, latest_checkpoint
 from llmrl.config import TrainConfig, check_resume_config, preflight
 from llmrl.errors import EngineDied, RunStopped
 from llmrl.tasks import resume_command
+from llmrl.tasks.score import ReservedName
 from llmrl.training.run import Run, StopOnSignal, evaluate_and_log, kept_checkpoint, save, setup_run
 from llmrl.training.step import DrawAhead, train_step
 
@@ -66,7 +67,7 @@ def train_run(run: Run) -> TrainResult:
             if logs_failed(run):
                 raise stop_after_failed_logs(run)
         return loop(run, ahead)
-    except EngineDied as e:
+    except (EngineDied, ReservedName) as e:
         raise stop_with_checkpoint(run, str(e)) from None
     finally:
         if ahead is not None:

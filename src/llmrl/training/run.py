@@ -313,11 +313,11 @@ def build_run(cfg: TrainConfig, dist: Dist, lock: RunLock | None, resume: bool, 
         after = (f"its checkpoints are intact: fix the cause and run `{resume_command(cfg.task, run_dir)}`" if checkpoint
                  else "fix the cause and start again (--overwrite replaces what was written)")
         raise RunStopped(f"could not write {e.filename or run_dir}: {e.strerror or e}; {after}") from None
-    engine = make_engine(cfg, plan, tokenizer)
+    episodes = environment_runner(cfg, task, model, tokenizer)
+    engine = make_engine(cfg, plan, tokenizer, episodes.limits)
     return Run(cfg=cfg, plan=plan, dir=run_dir, dist=dist, model=model, tokenizer=tokenizer, task=task, engine=engine,
                optimizer=optimizer, shuffle=shuffle, logger=logger, start=start, resumed_from=checkpoint,
-               config_notes=notes, lock=lock, totals=totals, health=health, learned=start - 1,
-               episodes=environment_runner(cfg, task, model, tokenizer))
+               config_notes=notes, lock=lock, totals=totals, health=health, learned=start - 1, episodes=episodes)
 
 
 def environment_runner(cfg: TrainConfig, task: Task, model, tokenizer) -> EpisodeRunner:
@@ -375,12 +375,10 @@ def eval_max_new_tokens(cfg: TrainConfig, task: Task) -> int:
 
 
 def eval_policy(cfg: TrainConfig, model, tokenizer, task: Task, engine: RolloutEngine | None = None,
-                dist: Dist | None = None, episodes: EpisodeRunner | None = None, version: int = 0
-                ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+                dist: Dist | None = None, episodes: EpisodeRunner | None = None, version: int = 0,
+                plan: Plan | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Eval of `model` (policy version `version`: the RL steps it has learned) on the task's first eval_n
     examples (`llmrl eval`, and the run's evals): greedy, or eval_samples_per_prompt sampled completions each."""
-    engine = engine or make_engine(cfg, resolve(cfg), tokenizer)
-    engine.load(model, version)
     max_new = eval_max_new_tokens(cfg, task)
     sampling = Sampling(temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, top_k=0, repetition_penalty=1.0,
                         min_new_tokens=0, max_new_tokens=max_new, max_prompt_tokens=cfg.max_prompt_tokens)
@@ -388,6 +386,8 @@ def eval_policy(cfg: TrainConfig, model, tokenizer, task: Task, engine: RolloutE
         episodes = None
     elif episodes is None:
         episodes = environment_runner(cfg, task, model, tokenizer)
+    engine = engine or make_engine(cfg, plan or resolve(cfg), tokenizer, episodes.limits if episodes is not None else None)
+    engine.load(model, version)
     if episodes is not None:  # eval replies get eval's token cap
         episodes = dataclasses.replace(episodes, limits=dataclasses.replace(episodes.limits, reply_tokens=max_new))
     metrics, rows = evaluate(engine, task, task.eval_examples(eval_count(cfg, task)), max_new_tokens=max_new, dist=dist,

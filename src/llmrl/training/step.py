@@ -15,6 +15,7 @@ lengths and texts are gathered so advantages and logs cover the global batch.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass, field
@@ -213,12 +214,15 @@ def add_counts(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
     return {k: (max if k.startswith("max_") else sum)((a.get(k, 0), b.get(k, 0))) for k in {**a, **b}}
 
 
-def reward_shaping(cfg: TrainConfig, out: Rollout) -> dict[str, torch.Tensor]:
+def reward_shaping(cfg: TrainConfig, out: Rollout, budget: int | None = None) -> dict[str, torch.Tensor]:
     """Terms added to the task's rewards, by name ([N] each, on the CPU like the rewards, whatever device
-    the rollout is on): DAPO's soft overlong penalty, and the KL penalty −kl_coef · Σ_t KL_t when kl_in_reward."""
+    the rollout is on): DAPO's soft overlong penalty on a row's sampled tokens against `budget` (the episode's
+    token budget: max_new_tokens for one reply, episode_tokens for an environment's replies together), and
+    the KL penalty −kl_coef · Σ_t KL_t when kl_in_reward."""
     terms: dict[str, torch.Tensor] = {}
     if cfg.overlong_buffer > 0:
-        terms["overlong"] = overlong_penalty(out.completion_lens.cpu(), cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+        terms["overlong"] = overlong_penalty(out.completion_lens.cpu(), budget or cfg.max_new_tokens,
+                                             cfg.overlong_buffer, cfg.overlong_penalty)
     if cfg.kl_in_reward:
         per_token = KL_ESTIMATORS[cfg.kl_estimator](out.logp_old, out.logp_ref) * out.completion_mask  # [N, L-1]
         terms["kl_penalty"] = -cfg.kl_coef * per_token.sum(1).float().cpu()
@@ -233,10 +237,16 @@ def advantages(cfg: TrainConfig, rewards: torch.Tensor) -> torch.Tensor:
     return adv.clamp(-cfg.adv_clip, cfg.adv_clip)
 
 
+def episode_budget(run: Run) -> int:
+    """Sampled tokens a row may hold: max_new_tokens for a single-turn task, the episode's budget (all its
+    replies together) for an environment. The overlong penalty and Dr. GRPO's constant are taken against it."""
+    return run.episodes.limits.episode_tokens
+
+
 def update_settings(run: Run) -> UpdateSettings:
     cfg = run.cfg
     return UpdateSettings(
-        algo=cfg.algo, loss=cfg.loss_settings, ppo_epochs=cfg.ppo_epochs, minibatch_size=cfg.minibatch_size,
+        algo=cfg.algo, loss=dataclasses.replace(cfg.loss_settings, max_tokens=episode_budget(run)), ppo_epochs=cfg.ppo_epochs, minibatch_size=cfg.minibatch_size,
         grad_accum_steps=cfg.grad_accum_steps, kl_coef=0.0 if cfg.kl_in_reward else cfg.kl_coef,
         kl_estimator=cfg.kl_estimator, kl_agg=cfg.kl_agg, max_grad_norm=cfg.max_grad_norm, shared_prefix=run.plan.shared_prefix_update,
         fuse_accumulation=run.plan.fuse_accumulation, token_budget=run.plan.token_budget, mismatch=cfg.mismatch_correction, mismatch_cap=cfg.mismatch_cap,
@@ -274,10 +284,11 @@ class Gathered:
     first_row: int  # this rank's first global row
 
 
-def gather(run: Run, s: Sampled, rewards_t: torch.Tensor) -> Gathered:
+def gather(run: Run, s: Sampled, rewards_t: torch.Tensor, lengths: torch.Tensor) -> Gathered:
+    """`lengths` [n]: this rank's rows' sampled tokens (before overlong_filter took truncated rows out of the mask)."""
     out = s.rollout
     parts = run.dist.gather({"owners": s.owners, "texts": out.texts, "rewards": s.rewards, "rewards_t": rewards_t,
-                             "lengths": out.completion_lens.cpu(), "scored": out.completion_mask.sum(1).cpu(),
+                             "lengths": lengths, "scored": out.completion_mask.sum(1).cpu(),
                              "ended": out.ended.cpu(), "counts": s.counts,
                              "transcripts": [ep.transcript for ep in s.episodes] if s.episodes else [None] * len(s.owners)})
     return Gathered(
@@ -345,17 +356,26 @@ def episode_means(counts: dict[str, int]) -> dict[str, float]:
     return counts
 
 
-def shaped_rewards(cfg: TrainConfig, s: Sampled) -> torch.Tensor:
+def shaped_rewards(cfg: TrainConfig, s: Sampled, budget: int) -> torch.Tensor:
     """The task rewards plus the shaping terms [n] (each also logged as a reward component); with
-    overlong_filter, truncated completions leave the completion mask (they teach nothing)."""
+    overlong_filter, truncated completions (an episode's last reply cut by a token cap) leave the
+    completion mask (they teach nothing)."""
     rewards_t = torch.tensor([r.total for r in s.rewards], dtype=torch.float32)
-    for name, values in reward_shaping(cfg, s.rollout).items():
+    for name, values in reward_shaping(cfg, s.rollout, budget).items():
         rewards_t += values
         for r, v in zip(s.rewards, values.tolist()):
             r.components[name] = v
     if cfg.overlong_filter:
         s.rollout.completion_mask[~s.rollout.ended] = 0.0
     return rewards_t
+
+
+def spans(out: Rollout) -> torch.Tensor:
+    """[n] each row's columns after the prompt block up to its last scored token (0 when none): its scored
+    tokens for one reply, more for an episode (environment tokens lie between its replies)."""
+    mask = out.completion_mask  # [n, L-1]: column P-1+j scores trajectory token j
+    cols = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    return ((mask > 0) * cols).amax(1).sub(out.prompt_len - 1).clamp(min=0)
 
 
 def update(run: Run, out: Rollout, g: Gathered, adv: torch.Tensor) -> tuple[UpdateStats, dict[str, float]]:
@@ -365,7 +385,7 @@ def update(run: Run, out: Rollout, g: Gathered, adv: torch.Tensor) -> tuple[Upda
         input_ids=out.input_ids, attention_mask=out.attention_mask, completion_mask=out.completion_mask,
         logp_old=out.logp_old, logp_ref=out.logp_ref, adv=adv[g.first_row : g.first_row + n].to(device),
         group=torch.arange(n, device=device) // run.cfg.group_size, prompt_len=out.prompt_len,
-        lengths=g.scored.to(device), offset=g.first_row, logp_engine=out.engine_logp,
+        lengths=g.scored.to(device), offset=g.first_row, logp_engine=out.engine_logp, spans=spans(out),
     )
     stats = policy_update(run.model, run.optimizer, batch, update_settings(run), run.shuffle, run.dist)
     train = stats.logged()
@@ -379,9 +399,13 @@ def update(run: Run, out: Rollout, g: Gathered, adv: torch.Tensor) -> tuple[Upda
     every_rank = run.dist.gather((train, diff))  # one collective for all the statistics
     train = {k: sum(r[k] for r, _ in every_rank) / run.dist.world if k in averaged else v for k, v in train.items()}
     if diff is not None:
+        # rows drawn from the policy the trainer holds: the engine's mismatch alone; rows a version behind
+        # (async): the policy's change since, plus the mismatch, under another name
+        lagged = out.version is not None and bool((out.version < run.learned).any())
+        name = "rollout/lagged_logprob_diff" if lagged else "rollout/engine_logprob_diff"
         sums = [d for _, d in every_rank]
-        train["rollout/engine_logprob_diff"] = sum(d[0] for d in sums) / max(sum(d[1] for d in sums), 1.0)
-        train["rollout/engine_logprob_diff_max"] = max(d[2] for d in sums)
+        train[name] = sum(d[0] for d in sums) / max(sum(d[1] for d in sums), 1.0)
+        train[f"{name}_max"] = max(d[2] for d in sums)
     return stats, train
 
 
@@ -398,12 +422,10 @@ class Collected:
 def collect(run: Run, step: int, ahead: DrawAhead | None = None) -> Collected:
     """Steps 1-4: prompts, G rollouts each, rewards, advantages. The rollouts come from the policy before
     this step (version step-1), or, with `ahead` (max_staleness), from the draw it made during the step
-    before (version step-2); a batch more than max_staleness versions old is dropped and drawn again."""
+    before (version step-2: max_staleness 1)."""
     cfg = run.cfg
     t0 = time.perf_counter()
-    drawn, dropped = ahead.take(step) if ahead else None, 0
-    if drawn is not None and step - 1 - int(drawn.rollout.version.min()) > cfg.max_staleness:
-        dropped, drawn = len(drawn.rollout.texts), None
+    drawn = ahead.take(step) if ahead else None
     if drawn is None:
         run.engine.load(run.model, step - 1)  # vllm: the adapter (counted in generate_s)
         load_s = time.perf_counter() - t0
@@ -415,11 +437,11 @@ def collect(run: Run, step: int, ahead: DrawAhead | None = None) -> Collected:
     s = sample_and_score(run, step, drawn)
     if cfg.max_staleness:
         lag = (step - 1) - s.rollout.version
-        s.counts |= {"policy_lag_sum": int(lag.sum()), "policy_lag_rows": len(lag), "max_policy_lag": int(lag.max()),
-                     "stale_dropped": dropped}
-    rewards_t = shaped_rewards(cfg, s)
+        s.counts |= {"policy_lag_sum": int(lag.sum()), "policy_lag_rows": len(lag), "max_policy_lag": int(lag.max())}
+    lengths = s.rollout.completion_lens.cpu()  # sampled tokens, before overlong_filter masks truncated rows
+    rewards_t = shaped_rewards(cfg, s, episode_budget(run))
     rollout_s = time.perf_counter() - t0
-    g = gather(run, s, rewards_t)
+    g = gather(run, s, rewards_t, lengths)
     return Collected(s, g, advantages(cfg, g.rewards_t), rollout_s)
 
 
@@ -442,7 +464,7 @@ def train_step(run: Run, step: int, ahead: DrawAhead | None = None) -> StepResul
     metrics = step_record(run, g, adv, stats, train, c.rollout_s, update_s, c.sampled.seconds)
     samples = []
     if run.cfg.sample_log_interval and step % run.cfg.sample_log_interval == 0:
-        samples = [{"prompt": ex.messages[-1]["content"], "answer": ex.answer, "completion": text, "reward": r.total,
+        samples = [{"prompt": ex.messages[-1]["content"] if ex.messages else "", "answer": ex.answer, "completion": text, "reward": r.total,
                     "components": r.components, "advantage": a, "ended": bool(e),
                     **({"transcript": t} if t is not None else {})}
                    for ex, text, r, a, e, t in zip(g.owners, g.texts, g.rewards, adv.tolist(), g.ended.tolist(), g.transcripts)]

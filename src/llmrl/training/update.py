@@ -61,12 +61,14 @@ class UpdateBatch:
     lengths: torch.Tensor  # [N] scored completion tokens of every global row (all ranks)
     offset: int = 0
     logp_engine: torch.Tensor | None = None  # [n, L-1] the rollout engine's log-probs (vllm), else None
+    spans: torch.Tensor | None = None  # [n] this rank's rows: columns after the prompt block up to the last scored
+    #   token (a multi-turn row holds environment tokens between its replies); None: `lengths` (one reply each)
 
     def rows(self, global_rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """The per-row tensors of these global rows (which must be this rank's), trimmed to completions."""
         idx = (global_rows - self.offset).to(self.adv.device)
         tensors = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        picked = {k: v[idx] for k, v in tensors.items() if torch.is_tensor(v) and k != "lengths"}
+        picked = {k: v[idx] for k, v in tensors.items() if torch.is_tensor(v) and k not in ("lengths", "spans")}
         return trim_to_completions(picked, self.prompt_len)
 
 
@@ -148,10 +150,15 @@ def own_rows(rows: torch.Tensor, batch: UpdateBatch) -> torch.Tensor:
     return rows[(rows >= batch.offset) & (rows < batch.offset + batch.adv.shape[0])]
 
 
+def widths(rows: torch.Tensor, batch: UpdateBatch) -> torch.Tensor:
+    """[M] columns after the prompt block that a forward over global `rows` (this rank's) needs for each."""
+    return batch.lengths[rows] if batch.spans is None else batch.spans[rows - batch.offset]
+
+
 def padded_tokens(rows: torch.Tensor, batch: UpdateBatch) -> int:
     """Rows × columns one forward over global `rows` (this rank's) runs: the prompt block plus the
-    longest scored completion among them."""
-    longest = int(batch.lengths[rows].max()) if len(rows) else 0
+    widest row's columns up to its last scored token (environment tokens included)."""
+    longest = int(widths(rows, batch).max()) if len(rows) else 0
     return len(rows) * (batch.prompt_len + longest)
 
 
@@ -162,7 +169,7 @@ def budget_pieces(rows: torch.Tensor, batch: UpdateBatch, token_budget: int) -> 
     near-equal row counts that fit. The pieces partition `rows`."""
     if padded_tokens(rows, batch) <= token_budget:
         return [rows]
-    ordered = rows[torch.argsort(batch.lengths[rows], descending=True, stable=True)]
+    ordered = rows[torch.argsort(widths(rows, batch), descending=True, stable=True)]
     for k in range(2, len(ordered) + 1):
         pieces = list(ordered.tensor_split(k))
         if all(padded_tokens(p, batch) <= token_budget for p in pieces):
