@@ -62,5 +62,10 @@ faults-vllm: $(VLLM_STAMP)
 gpu-check: $(STAMP)
 	$(PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
+# docs/config.md from TrainConfig's fields and help (tests/test_docs.py fails while it is stale)
+.PHONY: docs
+docs: $(STAMP)
+	$(PY) -m llmrl.docs_gen
+
 clean:
 	rm -rf $(VENV) .venv-vllm runs/quickstart
