@@ -281,7 +281,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import torch
 
-    from llmrl.models.loading import cache_root, resolve_model_path
+    from llmrl.models.loading import resolve_model_path
+    from llmrl.run_files import cache_root
     from llmrl.rollout.vllm_engine import kv_cache_bytes
     from llmrl.rollout.vllm_server import KEY_ENV, LOOPBACK, read_key, serve_command, server_env, write_key
 

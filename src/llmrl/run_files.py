@@ -1,9 +1,14 @@
-"""The names of the files and folders a run directory holds (one place: trainer, logger, report), and how a
-file in it is replaced whole."""
+"""The names of the files and folders a run directory holds (one place: trainer, logger, report), how a
+file in it is replaced whole, and where llmrl's own cache lives (converted models, kernel verdicts)."""
 
 import errno
 import os
 from pathlib import Path
+
+def cache_root() -> Path:
+    """Where converted models and measured kernel verdicts live: $LLMRL_CACHE, else ~/.cache/llmrl."""
+    return Path(os.environ.get("LLMRL_CACHE", Path.home() / ".cache" / "llmrl"))
+
 
 CONFIG = "config.yaml"  # the resolved config
 DATA_REPORT = "data_report.json"  # math_hard: problems kept and dropped, by reason

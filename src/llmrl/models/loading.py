@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from llmrl.errors import ModelError
+from llmrl.run_files import cache_root
 
 
 @dataclass(frozen=True)
@@ -48,11 +49,6 @@ ALIASES: dict[str, EmbeddedModel] = {
         hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
 }
-
-
-def cache_root() -> Path:
-    """Where converted models live: $LLMRL_CACHE, else ~/.cache/llmrl."""
-    return Path(os.environ.get("LLMRL_CACHE", Path.home() / ".cache" / "llmrl"))
 
 
 def find_embedded_gguf(alias: str) -> Path:

@@ -27,6 +27,8 @@ import types
 import torch
 from torch import nn
 
+from llmrl.run_files import cache_root
+
 
 def onednn_available() -> bool:
     """Whether this torch build has oneDNN's packed fp32 linear (x86 CPU builds do)."""
@@ -336,8 +338,6 @@ def cpu_auto_precision() -> tuple[bool, str]:
 
 
 def _verdicts_path():
-    from llmrl.models.loading import cache_root
-
     return cache_root() / "kernels.json"
 
 
