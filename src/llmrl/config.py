@@ -580,7 +580,7 @@ class Plan:
     fuse_accumulation: bool  # one training forward per optimizer window
     score_chunk: int  # rows per no-grad scoring forward (a window's rows when fused) ...
     token_budget: int  # ... and at most this many padded tokens (rows × columns) per forward, scoring and
-    #   training alike (CPU: activation and logit memory at long completions; CUDA: no limit)
+    #   training alike (CPU_TOKEN_BUDGET, CUDA_TOKEN_BUDGET: activation and logit memory at long completions)
     fuse_lora: bool  # LoRA's B product, scaling and sum in one addmm
     grouped_attention: bool  # CPU: SDPA reads grouped key/value heads in place (no repeat_kv copies)
     hash_dropout: bool  # CPU: vectorised LoRA dropout masks
