@@ -827,3 +827,46 @@ def test_a_model_with_two_eos_ids_continues_replies_on_the_templates_end_of_turn
         env_isolation, env_workers = "thread", 1
 
     episode_runner(Config(), OneAnswer(), tok, eos).steps.close()  # the start-up template check passes
+
+
+RESET_BUILDS = '''
+from llmrl import Environment
+from llmrl.tasks.base import Example, Reward
+from llmrl.tasks.env import Turn
+
+
+class ResetBuilds(Environment):
+    """Examples carry only a seed; reset builds the first messages (TextArena's and GEM's shape)."""
+
+    max_turns = 2
+
+    def sample_train_batch(self, n):
+        return [Example([], i) for i in range(n)]
+
+    def eval_examples(self, n):
+        return [Example([], 100 + i) for i in range(n)]
+
+    def reset(self, example):
+        return [{"role": "user", "content": f"Game {example.answer}: say a word."}]
+
+    def step(self, episode, reply):
+        return Turn(None) if episode.replies > 1 else Turn([{"role": "user", "content": "again"}])
+
+    def reward(self, episode):
+        return Reward(total=float(len(episode.last_reply) % 2), components={})
+'''
+
+
+def test_examples_without_messages_whose_reset_builds_them_train_and_log(tmp_path, tiny_model_dir):
+    """An environment whose examples have no messages (reset builds them) trains, evaluates and logs its samples:
+    the sample rows' prompt is the first messages' last text (this crashed with an IndexError at the first
+    sample log)."""
+    from helpers import cli, read_jsonl, tiny_args
+
+    (tmp_path / "reset_builds.py").write_text(RESET_BUILDS)
+    out = tmp_path / "run"
+    cli(*tiny_args(tiny_model_dir, out, "grpo", steps=1, task=f"{tmp_path / 'reset_builds.py'}:ResetBuilds",
+                   max_prompt_tokens=128, eval_interval=1, eval_n=2))
+    evals = read_jsonl(out / "eval_samples.jsonl")
+    assert evals and evals[0]["prompt"] == "Game 100: say a word."
+    assert read_jsonl(out / "samples.jsonl")

@@ -98,7 +98,8 @@ def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], *, max_
     if k > 1 and (judged := judge(task, owners, texts, scores.rewards)) is not None:
         metrics |= sampled_metrics(judged, k, majority=hasattr(task, "judge"))  # a "correct" component has no answers
     rows = [
-        {"prompt": ex.messages[-1]["content"], "answer": ex.answer, "completion": t, "reward": r.total}
+        {"prompt": ex.messages[-1]["content"] if ex.messages else "", "answer": ex.answer, "completion": t,
+         "reward": r.total}
         for ex, t, r in zip(owners, texts, scores.rewards)
     ]
     return metrics, rows
@@ -134,7 +135,7 @@ def evaluate_episodes(engine, env, examples: list[Example], mine: list[Example],
     metrics["eval/tool_calls"] = sum(ep.tool_calls for ep in played) / n
     if k > 1 and played and all(env.correct(ep) is not None for ep in played):
         metrics |= sampled_metrics([Judgement(bool(env.correct(ep))) for ep in played], k, majority=False)
-    rows = [{"prompt": ep.example.messages[-1]["content"], "answer": ep.example.answer, "completion": ep.last_reply,
+    rows = [{"prompt": ep.messages[ep.first - 1]["content"] if ep.first else "", "answer": ep.example.answer, "completion": ep.last_reply,
              "transcript": ep.transcript, "turns": ep.replies, "reward": r.total}
             for ep, r in zip(played, scores.rewards)]
     return metrics, rows
