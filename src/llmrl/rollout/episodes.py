@@ -100,33 +100,6 @@ def end_of_turn(tokenizer, eos: list[int]) -> int:
     return first[0]
 
 
-def prompt_length(tokenizer, messages: list[dict[str, str]]) -> int:
-    return len(render(tokenizer, messages))
-
-
-def encode_prompts(tokenizer, messages: list[list[dict[str, str]]], max_prompt_tokens: int, device: torch.device):
-    """Render chat messages with the model's template, keep the last `max_prompt_tokens` tokens,
-    left-pad. Returns (ids [B, P], attention_mask [B, P], number of prompts truncated)."""
-    token_lists = [render(tokenizer, m) for m in messages]
-    truncated = sum(len(t) > max_prompt_tokens for t in token_lists)
-    token_lists = [t[-max_prompt_tokens:] for t in token_lists]
-    width = max(len(t) for t in token_lists)
-    ids = torch.full((len(token_lists), width), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(token_lists), width), dtype=torch.long)
-    for i, t in enumerate(token_lists):
-        ids[i, width - len(t) :] = torch.tensor(t, dtype=torch.long)
-        mask[i, width - len(t) :] = 1
-    return ids.to(device), mask.to(device), truncated
-
-
-def decode_completions(tokenizer, completions: torch.Tensor, lengths: torch.Tensor, ended: torch.Tensor) -> list[str]:
-    """Completion texts without the EOS token: completions [N, T], lengths [N] (EOS included)."""
-    return [
-        tokenizer.decode(row[: int(n) - int(e)].tolist(), skip_special_tokens=True)
-        for row, n, e in zip(completions, lengths, ended)
-    ]
-
-
 def check_template(tokenizer, end_text: str) -> None:
     """Start-up check for environments: the template renders k turns as a prefix of k + 1 (two deltas)."""
     history = [{"role": "user", "content": "Start."}]
