@@ -231,7 +231,7 @@ def test_an_environment_that_raises_or_hangs_ends_that_episode_with_reward_zero(
     assert "RuntimeError: the environment broke" in episodes[0].error and "timeout" in episodes[1].error
     scores = score_episodes(FlakyEnv(), episodes, strict=False, where="test")
     assert [r.total for r in scores.rewards] == [0.0, 0.0, 3.0]
-    assert episode_counts(episodes)["env_errors"] == 2
+    assert episode_counts(episodes).env_errors == 2
 
 
 def test_limits_cut_episodes_and_cap_environment_messages(tiny_policy, monkeypatch):
@@ -596,7 +596,7 @@ def test_what_reset_and_step_return_is_checked_and_a_wrong_value_is_counted_not_
     assert "step returned list, not a Turn" in errors[1]
     assert "not a dict with text role and content" in errors[2] and "not a finite number" in errors[3]
     assert episodes[0].replies == 0 and r.completion_mask[0].sum() == 0  # no reply without a first message
-    assert episode_counts(episodes)["env_errors"] == 4 and episode_counts(episodes)["env_timeouts"] == 0
+    assert episode_counts(episodes).env_errors == 4 and episode_counts(episodes).env_timeouts == 0
     scores = score_episodes(OneAnswer(), episodes, strict=False, where="test")
     assert [x.total for x in scores.rewards] == [0.0] * 4 + [1.0]
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmrl.batch import EpisodeCounts
 from llmrl.errors import ConfigError
 from llmrl.rollout.base import Rollout, Sampling
 from llmrl.rollout.keyed import mix
@@ -304,9 +305,9 @@ class EpisodeRunner:
                             first_prompt=first_prompt, sampling=sampling, limits=self.limits, eos=self.eos,
                             greedy=greedy, device=self.device, steps=self.steps)
 
-    def counts(self) -> dict[str, int]:
+    def abandoned(self) -> int:
         """The step workers' gauge for the step's rollout/ metrics: abandoned steps still running (threads)."""
-        return {"max_env_abandoned": self.steps.abandoned if self.steps is not None else 0}
+        return self.steps.abandoned if self.steps is not None else 0
 
 
 def episode_runner(cfg, env, tokenizer, eos: list[int], device: torch.device | str = "cpu") -> EpisodeRunner:
@@ -339,15 +340,15 @@ def one_turn(engine, tokenizer, messages: list[list[dict[str, str]]], *, group_s
                         first_prompt=first_prompt, sampling=sampling, limits=limits, eos=[], device=device)[0]
 
 
-def episode_counts(episodes: list[Episode]) -> dict[str, int]:
-    """Sums (and `max_` maxima) over episodes, for the step's rollout/ metrics (means are taken after
-    summing over ranks and rounds: see training/step.py)."""
-    cuts = {f"cut_{why}": sum(ep.cut == why for ep in episodes)
-            for why in ("max_turns", "episode_tokens", "reply_tokens")}
-    return {"episodes": len(episodes), "turns": sum(ep.replies for ep in episodes),
-            "max_turns_seen": max((ep.replies for ep in episodes), default=0),
-            "tool_calls": sum(ep.tool_calls for ep in episodes), "tool_errors": sum(ep.tool_errors for ep in episodes),
-            "env_tokens": sum(ep.env_tokens for ep in episodes), "env_truncated": sum(ep.env_truncated for ep in episodes),
-            "env_errors": sum(ep.cut == "env_error" for ep in episodes),
-            "env_timeouts": sum(ep.cut == "env_error" and (ep.error or "").startswith(TIMEOUT) for ep in episodes),
-            **cuts}
+def episode_counts(episodes: list[Episode], abandoned: int = 0) -> EpisodeCounts:
+    """Sums (turns_max: the maximum) over episodes, for the step's rollout/ metrics (means are taken after
+    merging ranks and rounds: batch.EpisodeCounts.logged); `abandoned`: the step workers' gauge."""
+    return EpisodeCounts(
+        episodes=len(episodes), turns=sum(ep.replies for ep in episodes),
+        turns_max=max((ep.replies for ep in episodes), default=0),
+        tool_calls=sum(ep.tool_calls for ep in episodes), tool_errors=sum(ep.tool_errors for ep in episodes),
+        env_tokens=sum(ep.env_tokens for ep in episodes), env_truncated=sum(ep.env_truncated for ep in episodes),
+        env_errors=sum(ep.cut == "env_error" for ep in episodes),
+        env_timeouts=sum(ep.cut == "env_error" and (ep.error or "").startswith(TIMEOUT) for ep in episodes),
+        **{f"cut_{why}": sum(ep.cut == why for ep in episodes) for why in ("max_turns", "episode_tokens", "reply_tokens")},
+        env_abandoned=abandoned)

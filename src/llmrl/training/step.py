@@ -31,6 +31,7 @@ from llmrl.algorithms.core import (
     overlong_penalty,
     zero_spread_fraction,
 )
+from llmrl.batch import Counts, DynamicCounts, LagCounts, merge
 from llmrl.config import TrainConfig
 from llmrl.errors import RunStopped
 from llmrl.rollout import Rollout, add_logprobs
@@ -58,7 +59,7 @@ class Sampled:
     owners: list[Example]  # [n] the example each completion answers
     rollout: Rollout
     rewards: list[Reward]  # [n]
-    counts: dict[str, int] = field(default_factory=dict)  # reward_errors, prompts_skipped, sampling rounds...
+    counts: Counts = field(default_factory=Counts)  # reward_errors, prompts_skipped, episodes, sampling rounds...
     seconds: dict[str, float] = field(default_factory=dict)  # generate_s, logprobs_s: where the rollout's time went
     episodes: list[Episode] | None = None  # [n] environments: the episodes the rows hold
 
@@ -127,13 +128,13 @@ def score_drawn(run: Run, d: Drawn, step: int) -> Sampled:
                        shared_prefix=plan.shared_prefix_scoring, with_ref=cfg.kl_coef > 0)
     seconds = {"generate_s": d.generate_s, "logprobs_s": time.perf_counter() - t0}
     owners = [ex for ex in d.examples for _ in range(g)]  # prompt-major, like the completions
-    counts = {"prompts_skipped": d.skipped, "prompts_truncated": out.prompts_truncated}
+    counts = Counts(prompts_skipped=d.skipped, prompts_truncated=out.prompts_truncated)
     if d.episodes is not None:
         scores = score_episodes(run.task, d.episodes, strict=cfg.strict_rewards, where=f"step {step}")
-        counts = add_counts(counts, episode_counts(d.episodes) | run.episodes.counts())
+        counts.episodes = episode_counts(d.episodes, run.episodes.abandoned())
     else:
         scores = score(run.task, owners, out.texts, strict=cfg.strict_rewards, where=f"step {step}")
-    counts["reward_errors"] = scores.errors
+    counts.reward_errors = scores.errors
     return Sampled(owners, out, scores.rewards, counts, seconds, d.episodes)
 
 
@@ -149,13 +150,13 @@ def sample_and_score(run: Run, step: int, drawn: Drawn) -> Sampled:
         return score_drawn(run, drawn, step)
     kept: list[Sampled] = []  # groups with a reward spread
     flat: list[Sampled] = []  # groups without
-    counts: dict[str, int] = {}  # over every round's prompts
+    counts = Counts()  # over every round's prompts
     seconds = {"generate_s": 0.0, "logprobs_s": 0.0}
     rounds = 0
     while rounds < cfg.dynamic_sampling_rounds and len(kept) < cfg.batch_size:
         d = drawn if rounds == 0 else draw(run, step, step - 1, rounds, cfg.batch_size - len(kept))
         s = score_drawn(run, d, step)
-        counts = add_counts(counts, s.counts)  # prompts_truncated counted here: the rows below are picked per group
+        counts = merge(counts, s.counts)  # prompts_truncated counted here: the rows below are picked per group
         seconds = {k: v + s.seconds[k] for k, v in seconds.items()}
         rounds += 1
         for i in range(len(d.examples)):
@@ -165,7 +166,7 @@ def sample_and_score(run: Run, step: int, drawn: Drawn) -> Sampled:
             (kept if len({r.total for r in group.rewards}) > 1 else flat).append(group)
     filled = max(0, cfg.batch_size - len(kept))
     groups = kept[: cfg.batch_size] + flat[:filled]
-    counts |= {"sampling_rounds": rounds, "groups_flat_dropped": len(flat) - filled, "groups_flat_kept": filled}
+    counts.dynamic = DynamicCounts(sampling_rounds=rounds, groups_flat_dropped=len(flat) - filled, groups_flat_kept=filled)
     return Sampled([ex for grp in groups for ex in grp.owners],
                    concat_rollouts([grp.rollout for grp in groups], run.tokenizer.pad_token_id),
                    [r for grp in groups for r in grp.rewards], counts, seconds,
@@ -207,11 +208,6 @@ class DrawAhead:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
-
-
-def add_counts(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
-    """Counts of two parts (rounds, ranks) together: sums, maxima for `max_` keys."""
-    return {k: (max if k.startswith("max_") else sum)((a.get(k, 0), b.get(k, 0))) for k in {**a, **b}}
 
 
 def reward_shaping(cfg: TrainConfig, out: Rollout, budget: int | None = None) -> dict[str, torch.Tensor]:
@@ -279,7 +275,7 @@ class Gathered:
     lengths: torch.Tensor  # [N] completion tokens (EOS included)
     scored: torch.Tensor  # [N] tokens the loss sees (after overlong_filter)
     ended: torch.Tensor  # [N] bool
-    counts: dict[str, int]  # over ranks (add_counts): reward_errors, prompts_skipped, prompts_truncated, sampling rounds...
+    counts: Counts  # merged over ranks
     transcripts: list[list[dict[str, str]] | None]  # [N] environments: each episode's messages after the prompt
     first_row: int  # this rank's first global row
 
@@ -295,7 +291,7 @@ def gather(run: Run, s: Sampled, rewards_t: torch.Tensor, lengths: torch.Tensor)
         owners=[o for p in parts for o in p["owners"]], texts=[t for p in parts for t in p["texts"]],
         rewards=[r for p in parts for r in p["rewards"]], rewards_t=torch.cat([p["rewards_t"] for p in parts]),
         lengths=torch.cat([p["lengths"] for p in parts]), scored=torch.cat([p["scored"] for p in parts]),
-        ended=torch.cat([p["ended"] for p in parts]), counts=functools.reduce(add_counts, [p["counts"] for p in parts]),
+        ended=torch.cat([p["ended"] for p in parts]), counts=functools.reduce(merge, [p["counts"] for p in parts]),
         transcripts=[t for p in parts for t in p["transcripts"]],
         first_row=sum(len(p["rewards"]) for p in parts[: run.dist.rank]),
     )
@@ -310,9 +306,8 @@ def step_record(run: Run, g: Gathered, adv: torch.Tensor, stats: UpdateStats, tr
     totals.optimizer_steps += stats.optimizer_steps
     totals.skipped_updates += stats.skipped_updates + stats.empty_minibatches
     totals.empty_minibatches += stats.empty_minibatches
-    counts = episode_means(dict(g.counts))
-    totals.reward_errors += counts.pop("reward_errors")
-    totals.prompts_skipped += counts.pop("prompts_skipped")
+    totals.reward_errors += g.counts.reward_errors
+    totals.prompts_skipped += g.counts.prompts_skipped
     totals.completions += len(g.rewards)
     totals.train_seconds += rollout_s + update_s
     lengths = g.lengths.float()
@@ -327,7 +322,7 @@ def step_record(run: Run, g: Gathered, adv: torch.Tensor, stats: UpdateStats, tr
         "rollout/completion_len_max": lengths.max().item(),
         "rollout/truncated_frac": (~g.ended).float().mean().item(),
         "rollout/prompts_skipped": totals.prompts_skipped,
-        **{f"rollout/{k}": v for k, v in counts.items()},
+        **{f"rollout/{k}": v for k, v in g.counts.logged().items()},
         "rollout/completions": totals.completions,
         "time/rollout_s": rollout_s,
         **{f"time/{k}": v for k, v in seconds.items()},
@@ -335,25 +330,6 @@ def step_record(run: Run, g: Gathered, adv: torch.Tensor, stats: UpdateStats, tr
         "time/train_s": totals.train_seconds,
     }
     return metrics
-
-
-def episode_means(counts: dict[str, int]) -> dict[str, float]:
-    """Environments: per-episode means of turns, tool calls, tool errors and environment tokens, and the
-    most turns any episode took (turns_max); the cut_* and env_* counts stay counts (env_abandoned: the most
-    abandoned steps still running on a rank's threads). Async: the rows' mean
-    and largest policy lag (policy_lag, policy_lag_max)."""
-    if "policy_lag_rows" in counts:
-        counts["policy_lag"] = counts.pop("policy_lag_sum") / max(counts.pop("policy_lag_rows"), 1)
-        counts["policy_lag_max"] = counts.pop("max_policy_lag")
-    if "episodes" not in counts:
-        return counts
-    n = max(counts.pop("episodes"), 1)
-    for key in ("turns", "tool_calls", "tool_errors", "env_tokens"):
-        counts[key] = counts[key] / n
-    counts["turns_max"] = counts.pop("max_turns_seen")
-    if "max_env_abandoned" in counts:
-        counts["env_abandoned"] = counts.pop("max_env_abandoned")
-    return counts
 
 
 def shaped_rewards(cfg: TrainConfig, s: Sampled, budget: int) -> torch.Tensor:
@@ -437,7 +413,7 @@ def collect(run: Run, step: int, ahead: DrawAhead | None = None) -> Collected:
     s = sample_and_score(run, step, drawn)
     if cfg.max_staleness:
         lag = (step - 1) - s.rollout.version
-        s.counts |= {"policy_lag_sum": int(lag.sum()), "policy_lag_rows": len(lag), "max_policy_lag": int(lag.max())}
+        s.counts.lag = LagCounts(lag_sum=int(lag.sum()), rows=len(lag), lag_max=int(lag.max()))
     lengths = s.rollout.completion_lens.cpu()  # sampled tokens, before overlong_filter masks truncated rows
     rewards_t = shaped_rewards(cfg, s, episode_budget(run))
     rollout_s = time.perf_counter() - t0
