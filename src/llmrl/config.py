@@ -573,6 +573,8 @@ class Plan:
     precision: str  # one line: the precision and why (auto: measured on CPU)
     engine: str  # rollout engine name (rollout.ENGINES)
     engine_old: bool  # the loss's old log-probs are the engine's (old_logprobs=engine, or async: the behaviour policy)
+    with_ref: bool  # a reference forward (LoRA off) gives logp_ref: kl_coef > 0 (in the loss, or in the reward)
+    one_ahead: bool  # async (max_staleness 1): step s+1 is drawn while step s learns
     sampler_logp: bool  # old log-probs and entropies from the sampler's own logits (no second forward)
     merge_lora: bool  # LoRA merged into the base weights while sampling and in eval (fp32 products only)
     shared_prefix_scoring: bool  # no-grad old/ref passes run each prompt once for its group
@@ -609,6 +611,7 @@ def resolve(cfg: TrainConfig) -> Plan:
     return Plan(
         device=device, dtype=dtype, bf16_matmul=bf16_matmul, precision=precision, engine=cfg.rollout_engine,
         engine_old=cfg.old_logprobs == "engine" or cfg.max_staleness > 0,
+        with_ref=cfg.kl_coef > 0, one_ahead=cfg.max_staleness > 0,
         # the sampler's decode-step logits match a full forward to ~1e-6 in fp32 only: with bf16 the old
         # log-probs come from a full forward, with the shared prefix only where the update uses it too
         # (not with gradient checkpointing), as the two layouts round differently in bf16; the first ratio

@@ -60,7 +60,7 @@ def train_run(run: Run) -> TrainResult:
                   f"adapter: {run.resumed_from}", file=sys.stderr)
         close_run(run)
         return TrainResult(model=run.model, tokenizer=run.tokenizer, run_dir=run.dir, last_metrics={}, adapter=run.resumed_from)
-    ahead = DrawAhead(run) if cfg.max_staleness else None  # async: step s+1 is drawn while step s learns
+    ahead = DrawAhead(run) if run.plan.one_ahead else None  # async: step s+1 is drawn while step s learns
     try:
         if run.eval_n > 0 and cfg.eval_interval > 0 and run.resumed_from is None:
             evaluate_and_log(run, 0)  # the untrained policy, for comparison

@@ -125,7 +125,7 @@ def score_drawn(run: Run, d: Drawn, step: int) -> Sampled:
     if plan.engine_old:  # the engine's own sampled-token log-probs are the behaviour policy
         out.logp_old = out.engine_logp
     out = add_logprobs(run.model, out, chunk=plan.score_chunk, token_budget=plan.token_budget, group_size=g,
-                       shared_prefix=plan.shared_prefix_scoring, with_ref=cfg.kl_coef > 0)
+                       shared_prefix=plan.shared_prefix_scoring, with_ref=plan.with_ref)
     seconds = {"generate_s": d.generate_s, "logprobs_s": time.perf_counter() - t0}
     owners = [ex for ex in d.examples for _ in range(g)]  # prompt-major, like the completions
     counts = Counts(prompts_skipped=d.skipped, prompts_truncated=out.prompts_truncated)
@@ -411,7 +411,7 @@ def collect(run: Run, step: int, ahead: DrawAhead | None = None) -> Collected:
     if ahead and step < cfg.steps:
         ahead.submit(step + 1, step - 1)  # drawn while this step learns
     s = sample_and_score(run, step, drawn)
-    if cfg.max_staleness:
+    if run.plan.one_ahead:
         lag = (step - 1) - s.rollout.version
         s.counts.lag = LagCounts(lag_sum=int(lag.sum()), rows=len(lag), lag_max=int(lag.max()))
     lengths = s.rollout.completion_lens.cpu()  # sampled tokens, before overlong_filter masks truncated rows
