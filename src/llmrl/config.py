@@ -109,6 +109,7 @@ class TrainConfig:
     api_key_file: str | None = doc(None, "vllm-server with server_url: a file holding the server's API key (`llmrl serve` prints where it wrote one); unset: the LLMRL_API_KEY environment variable. The key itself is never written to the run")
     vllm_memory: float = doc(0.3, "vllm on CUDA: share of the GPU's memory for the engine (gpu_memory_utilization); on CPU the KV cache is sized to the run's batch")
     vllm_sleep: bool = doc(True, "vllm on CUDA: put the engine to sleep (weights offloaded, KV cache freed) during each update")
+    vllm_prefix_caching: bool = doc(True, "vllm: reuse the KV blocks of a prefix already computed under the same policy version (a group's G copies of a prompt, each turn's context); every request is salted with its version's adapter, so a new version is never served an old one's blocks")
     max_staleness: int = doc(0, "async rollouts (vllm-server, algo grpo): 0 = synchronous; 1 = the rollouts of step s+1 are drawn by a thread, from the policy before step s, while step s learns (one step ahead: every batch is exactly 1 policy version old); their old log-probs are the engine's (the behaviour policy)")
     old_logprobs: str = doc("trainer", "where logp_old comes from with the vllm engine: trainer (recomputed, the seed's) or engine (vLLM's own sampled-token log-probs: one forward less)")
     mismatch_correction: str = doc("none", "training-inference mismatch correction with the vllm engine, per completion token x_t = log π_old − log π_engine, r = exp(Σ_t x_t), C = mismatch_cap (docs/engines.md: the table): none; token_tis: each token's loss × min(e^x_t, C) (TRL token_truncate, verl rollout_is=token); sequence_truncate: every token of a completion × min(r, C) (TRL sequence_truncate, verl rollout_is=sequence); sequence_mask: × r where r ≤ C, else 0 (TRL sequence_mask, no lower bound); geo_mean_mask: × 1 where exp(mean_t x_t) is in [1/C, C], else 0, the tokens staying in the normaliser (llmrl's sequence_mask before); seq_mean_k1: the same completions rejected and taken out of the loss mask, so out of the token-mean normaliser and the KL (verl rollout_rs=seq_mean_k1, threshold C). With old_logprobs=engine and grpo, x uses π_θ (detached) and the loss already carries ρ_t = e^x_t, so token_tis weighs min(ρ_t, C)/ρ_t, sequence_truncate min(r, C)/r, sequence_mask 1 where r ≤ C (the other two are unchanged)")
@@ -176,7 +177,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "task and data": ("model", "task", "prompts", "math_data", "math_reward", "grade_time_limit", "grade_workers",
                       "long_prompts"),
     "run": ("steps", "seed", "output_dir", "device", "dtype", "rollout_engine", "server_url", "api_key_file", "max_staleness", "vllm_memory",
-            "vllm_sleep", "old_logprobs", "mismatch_correction", "mismatch_cap"),
+            "vllm_sleep", "vllm_prefix_caching", "old_logprobs", "mismatch_correction", "mismatch_cap"),
     "sampling": ("batch_size", "group_size", "min_new_tokens", "max_new_tokens", "max_prompt_tokens", "temperature",
                  "top_p", "top_k", "repetition_penalty"),
     "environments": ("max_turns", "episode_tokens", "max_env_tokens", "env_timeout", "env_isolation", "env_workers"),
@@ -199,7 +200,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
 
 # The fields `llmrl eval` uses (the model, its adapter's shape, the task, eval, speed); others are refused there.
 EVAL_FIELDS = frozenset(SECTIONS["task and data"] + SECTIONS["LoRA"] + SECTIONS["advanced speed switches"] + (
-    "seed", "device", "dtype", "rollout_engine", "vllm_memory", "max_new_tokens", "max_prompt_tokens", "eval_n", "eval_batch_size",
+    "seed", "device", "dtype", "rollout_engine", "vllm_memory", "vllm_prefix_caching", "max_new_tokens", "max_prompt_tokens", "eval_n", "eval_batch_size",
     "eval_samples_per_prompt", "eval_temperature", "eval_top_p", "eval_max_new_tokens", "max_turns", "episode_tokens",
     "max_env_tokens", "env_timeout", "env_isolation", "env_workers"))
 
@@ -209,7 +210,7 @@ RESUME_MAY_CHANGE = {
     "keep_checkpoints", "sample_log_interval", "max_bad_steps", "strict_rewards", "wandb", "wandb_project", "tensorboard", "report",
     "run_name", "num_threads", "device", "strict_health", "health_steps", "health_truncated_frac",
     "health_zero_spread_frac", "health_max_kl", "health_max_clip_frac", "grade_time_limit", "grade_workers", "fast", "dist_timeout", "logp_from_sampler", "shared_prefix", "fuse_accumulation", "onednn_linear", "fuse_lora",
-    "merge_lora_sampling", "keep_heap_memory", "vllm_memory", "vllm_sleep", "env_timeout", "env_isolation", "env_workers", "server_url", "api_key_file",
+    "merge_lora_sampling", "keep_heap_memory", "vllm_memory", "vllm_sleep", "vllm_prefix_caching", "env_timeout", "env_isolation", "env_workers", "server_url", "api_key_file",
     "max_staleness",  # a resumed async run re-draws its in-flight batch anyway (docs/engines.md: async)
 }
 

@@ -36,7 +36,7 @@ def _vllm_engine(tokenizer, sampling: Sampling, cfg, plan, limits):
     return VLLMEngine(tokenizer, sampling, model_path=resolve_model_path(cfg.model), device=plan.device, dtype=plan.dtype,
                       lora_r=cfg.lora_r, seed=cfg.seed, max_len=context_tokens(cfg, limits), memory=cfg.vllm_memory,
                       sleep=cfg.vllm_sleep, max_sequences=rank_sequences(cfg, plan), world_size=plan.world_size,
-                      scratch=cfg.output_dir)
+                      scratch=cfg.output_dir, prefix_caching=cfg.vllm_prefix_caching)
 
 
 def _vllm_server_engine(tokenizer, sampling: Sampling, cfg, plan, limits):
@@ -58,7 +58,9 @@ def _vllm_server_engine(tokenizer, sampling: Sampling, cfg, plan, limits):
         key = client_key(cfg.api_key_file)  # a child server gets a fresh key of its own
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
     server = VLLMServer(command, cfg.server_url, Path(cfg.output_dir) / "vllm-server.log", key=key)
-    engine = VLLMServerEngine(tokenizer, sampling, server, scratch=cfg.output_dir)
+    # every row of a step in flight at once (64 at least: eval batches)
+    engine = VLLMServerEngine(tokenizer, sampling, server, scratch=cfg.output_dir,
+                              workers=max(64, rank_sequences(cfg, plan)))
     atexit.register(engine.close)
     return engine
 

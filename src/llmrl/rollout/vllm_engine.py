@@ -96,7 +96,7 @@ class VLLMEngine:
 
     def __init__(self, tokenizer, sampling: Sampling, *, model_path: str, device: torch.device, dtype: torch.dtype,
                  lora_r: int, seed: int, max_len: int, memory: float, sleep: bool, max_sequences: int,
-                 world_size: int = 1, scratch: str | Path | None = None):
+                 world_size: int = 1, scratch: str | Path | None = None, prefix_caching: bool = True):
         LLM, self._params, self._lora, self._prompt = import_vllm()
         self.tokenizer, self.sampling = tokenizer, sampling
         self.eos: list[int] = []  # the policy's EOS ids, known at the first sync
@@ -125,11 +125,12 @@ class VLLMEngine:
             self.llm = LLM(
                 model=model_path, tokenizer=model_path, dtype=str(dtype).removeprefix("torch."), seed=seed,
                 enable_lora=True, max_lora_rank=rank, max_loras=1, logprobs_mode="raw_logprobs", max_model_len=max_len,
-                enable_prefix_caching=False, enforce_eager=cpu, **kwargs,
+                enable_prefix_caching=prefix_caching, enforce_eager=cpu, **kwargs,
             )
         self.lora_id = 0  # LoRA id of the adapter now loaded (0: none yet)
         self.version = -1  # the policy version it holds
         self.request = None
+        self.salt = ""  # every prompt's cache salt: the adapter's name and id (cached blocks never cross versions)
 
     # ------------------------------------------------------------------------- weight sync
 
@@ -147,6 +148,7 @@ class VLLMEngine:
         path = self._dir / f"v{self.lora_id}"
         write_adapter(model, path)
         self.request = self._lora(f"policy-v{version}", self.lora_id, str(path))
+        self.salt = f"policy-v{version}-{self.lora_id}"
         self.version = version
         if old:
             self.llm.llm_engine.remove_lora(old)
@@ -170,7 +172,7 @@ class VLLMEngine:
     def _run(self, messages: list[list[dict[str, str]]], n: int, params: list) -> list:
         """The request outputs of the prompts (prompt-major, n per prompt), cut to max_prompt_tokens."""
         ids, mask, _ = encode_prompts(self.tokenizer, messages, self.sampling.max_prompt_tokens, torch.device("cpu"))
-        prompts = [self._prompt(prompt_token_ids=row[m.bool()].tolist()) for row, m in zip(ids, mask)]
+        prompts = [self._prompt(prompt_token_ids=row[m.bool()].tolist(), cache_salt=self.salt) for row, m in zip(ids, mask)]
         requests = [p for p in prompts for _ in range(n)]
         outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.request)
         return [o.outputs[0] for o in outputs]
@@ -188,8 +190,8 @@ class VLLMEngine:
         return texts_of(self._run(messages, k, self._sampling_params(sampling, keys, logprobs=False)), self.tokenizer, self.eos)
 
     def episodes(self):
-        """Nothing kept between an episode's turns: each turn prefills its context (prefix caching is off,
-        so a new adapter version can never be served an old one's cached blocks)."""
+        """Nothing kept by llmrl between an episode's turns: each turn sends its whole context, and vLLM's prefix
+        cache (vllm_prefix_caching, salted per adapter version) serves the blocks the turn before computed."""
         return contextlib.nullcontext()
 
     def continue_ids(self, contexts: list[list[int]], keys: list[int], s: Sampling, max_new_tokens: int,
@@ -201,7 +203,7 @@ class VLLMEngine:
                                    skip_special_tokens=True, logprobs=0)] * len(contexts)
         else:
             params = self._sampling_params(dataclasses.replace(s, max_new_tokens=max_new_tokens), keys, logprobs=True)
-        prompts = [self._prompt(prompt_token_ids=list(c)) for c in contexts]
+        prompts = [self._prompt(prompt_token_ids=list(c), cache_salt=self.salt) for c in contexts]
         outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.request)
         replies = []
         for o in (out.outputs[0] for out in outputs):
