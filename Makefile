@@ -44,7 +44,7 @@ train: $(STAMP)
 	$(VENV)/bin/llmrl train --config configs/quickstart.yaml --overwrite
 
 test: $(STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=30
 
 # SIGKILL, ENOSPC and EIO at every write site of a short run, a corrupt file where one is read back, SIGKILL at
 # random moments; each resumed and checked: same adapter as the uninterrupted run, each step logged once, nothing
