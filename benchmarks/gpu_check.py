@@ -497,7 +497,7 @@ def probe_parity(run: str) -> dict:
     from llmrl.rollout.episodes import one_turn
     from llmrl.tasks import task_from_config
     from llmrl.training.run import build_policy
-    from llmrl.training.step import step_seed
+    from llmrl.training.rollouts import step_seed
 
     cfg = load_config(Path(run) / "config.yaml")
     if cfg.num_threads:

@@ -1,6 +1,8 @@
 """Budgets and limits of episodes (more than one reply per row), async staleness, and the names a reward may use:
 each test here failed on the code before its fix (see the issue-39 note)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -12,7 +14,7 @@ from llmrl.rollout.base import Rollout
 from llmrl.rollout.episodes import Limits, run_episodes
 from llmrl.tasks.base import Example, Reward
 from llmrl.tasks.env import Environment, Turn
-from llmrl.training.step import reward_shaping, spans
+from llmrl.training.step import Sampled, shaped_rewards
 from llmrl.training.update import UpdateBatch, budget_pieces, padded_tokens
 from test_env import SAMPLING, ScriptedReplies
 
@@ -77,10 +79,15 @@ def test_the_overlong_penalty_is_taken_against_the_episode_budget():
     budget 21, overlong_buffer 6: the penalty starts at 15 tokens of the budget, so −(17 − 15)/6 · 0.9 and 0. Against
     the one-reply cap of 7 (the old code) both would pay the whole 0.9."""
     cfg = load_config(None, {"task": "format_copy", "max_new_tokens": 7, "overlong_buffer": 6, "overlong_penalty": 0.9})
-    out = rows([[7, 7, 3], [2, 2, 3]])
-    terms = reward_shaping(cfg, out, budget=21)
-    assert terms["overlong"].tolist() == pytest.approx([-(17 - 15) / 6 * 0.9, 0.0], abs=1e-7)
-    assert reward_shaping(cfg, out, budget=7)["overlong"].tolist() == pytest.approx([-0.9, -0.9], abs=1e-7)
+    def shaped(budget: int) -> list[float]:
+        run = SimpleNamespace(cfg=cfg, episodes=SimpleNamespace(limits=SimpleNamespace(episode_tokens=budget)))
+        sampled = Sampled([None, None], rows([[7, 7, 3], [2, 2, 3]]), [Reward(0.1, {}), Reward(0.0, {})])
+        total = shaped_rewards(run, sampled)
+        assert [r.components["overlong"] for r in sampled.rewards] == pytest.approx((total - torch.tensor([0.1, 0.0])).tolist())
+        return total.tolist()
+
+    assert shaped(21) == pytest.approx([0.1 - (17 - 15) / 6 * 0.9, 0.0], abs=1e-7)
+    assert shaped(7) == pytest.approx([0.1 - 0.9, -0.9], abs=1e-7)
 
 
 def test_the_token_budget_counts_the_environment_tokens_between_replies():
@@ -88,11 +95,11 @@ def test_the_token_budget_counts_the_environment_tokens_between_replies():
     widest row up to its last scored token), not rows × (prompt + scored tokens); budget_pieces sorts and splits by
     that width, so no piece passes the budget."""
     out = rows([[4, 4, 4], [1], [6], [2, 2]])  # widths: 4+5+4+5+4 = 22, 1, 6, 2+5+2 = 9
-    assert spans(out).tolist() == [22, 1, 6, 9]
+    assert out.spans.tolist() == [22, 1, 6, 9]
     n = out.input_ids.shape[0]
     batch = UpdateBatch(input_ids=out.input_ids, attention_mask=out.attention_mask, completion_mask=out.completion_mask,
                         logp_old=torch.zeros_like(out.completion_mask), logp_ref=None, adv=torch.zeros(n),
-                        group=torch.arange(n), prompt_len=3, lengths=out.completion_mask.sum(1), spans=spans(out))
+                        group=torch.arange(n), prompt_len=3, lengths=out.completion_mask.sum(1), spans=out.spans)
     every = torch.arange(n)
     assert padded_tokens(every, batch) == 4 * (3 + 22)  # scored counts alone would say 4 * (3 + 12)
     pieces = budget_pieces(every, batch, token_budget=60)

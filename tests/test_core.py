@@ -151,15 +151,18 @@ def test_reward_shaping_terms_are_on_the_cpu_for_a_cuda_rollout():
     crashed `--overlong_buffer > 0` on CUDA: adding a CUDA tensor to a CPU one)."""
     from llmrl.config import load_config
     from llmrl.rollout import Rollout
-    from llmrl.training.step import reward_shaping
+    from types import SimpleNamespace
+
+    from llmrl.tasks.base import Reward
+    from llmrl.training.step import Sampled, shaped_rewards
 
     cfg = load_config(None, {"max_new_tokens": 5, "overlong_buffer": 2, "kl_in_reward": True, "kl_coef": 0.3})
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0.0]], device="cuda")
     r = Rollout(input_ids=torch.zeros(2, 6, dtype=torch.long, device="cuda"), attention_mask=torch.ones(2, 6, device="cuda"),
                 completion_mask=mask, logp_old=-0.1 * mask, logp_ref=-0.3 * mask, ended=torch.tensor([False, True], device="cuda"),
                 prompt_len=1, texts=["", ""], prompts_truncated=0)
-    terms = reward_shaping(cfg, r)
-    assert all(t.device.type == "cpu" for t in terms.values())
-    torch.testing.assert_close(terms["overlong"], torch.tensor([-1.0, 0.0]))
-    rewards = torch.zeros(2) + terms["overlong"] + terms["kl_penalty"]  # what shaped_rewards does
+    run = SimpleNamespace(cfg=cfg, episodes=SimpleNamespace(limits=SimpleNamespace(episode_tokens=5)))
+    sampled = Sampled([None, None], r, [Reward(0.0, {}), Reward(0.0, {})])
+    rewards = shaped_rewards(run, sampled)
     assert rewards.device.type == "cpu"
+    assert [x.components["overlong"] for x in sampled.rewards] == pytest.approx([-1.0, 0.0])

@@ -438,7 +438,7 @@ def validate(cfg: TrainConfig) -> None:
          f"must not exceed batch_size*group_size={cfg.rollout_size}")
     rule(cfg.rollout_size % cfg.minibatch_size == 0, "minibatch_size",
          f"must divide batch_size*group_size={cfg.rollout_size} so every completion weighs the same")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = launched_world_size()
     rule(cfg.batch_size % world == 0, "batch_size", f"must be divisible by the world size {world}")
     rule(world == 1 or cfg.rollout_engine != "vllm-server", "rollout_engine",
          f"vllm-server is single-process for now (WORLD_SIZE={world}): use vllm, an engine per rank")
@@ -594,6 +594,11 @@ class Plan:
     world_size: int = 1  # processes training together (torchrun's WORLD_SIZE)
 
 
+def launched_world_size() -> int:
+    """The processes training together: torchrun's WORLD_SIZE, 1 without torchrun (read here only)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def resolve(cfg: TrainConfig) -> Plan:
     """The Plan of a validated config on this machine (imports torch)."""
     import torch
@@ -626,5 +631,5 @@ def resolve(cfg: TrainConfig) -> Plan:
         fuse_lora=cfg.fast and cfg.fuse_lora, grouped_attention=cfg.fast and cpu, hash_dropout=cfg.fast and cfg.hash_dropout and cpu, onednn_linear=bool(cfg.fast and cfg.onednn_linear is not False and cpu),
         measure_kernels=cfg.onednn_linear is None,
         keep_heap_memory=cfg.fast and cfg.keep_heap_memory and cpu, gradient_checkpointing=cfg.gradient_checkpointing,
-        world_size=int(os.environ.get("WORLD_SIZE", "1")),
+        world_size=launched_world_size(),
     )

@@ -95,6 +95,14 @@ class Rollout:
         """[N] number of scored tokens per completion (EOS included)."""
         return self.completion_mask.sum(1)
 
+    @property
+    def spans(self) -> torch.Tensor:
+        """[N] each row's columns after the prompt block up to its last scored token (0 when none): its scored
+        tokens for one reply, more for an episode (environment tokens lie between its replies)."""
+        mask = self.completion_mask  # [N, L-1]: column P-1+j scores trajectory token j
+        cols = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+        return ((mask > 0) * cols).amax(1).sub(self.prompt_len - 1).clamp(min=0)
+
 
 def select_rows(r: Rollout, rows: list[int]) -> Rollout:
     """The rollout restricted to `rows` (in that order)."""

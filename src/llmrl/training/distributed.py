@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from llmrl.config import launched_world_size
 from llmrl.errors import ConfigError
 
 
@@ -71,7 +72,7 @@ class Dist:
 
 def init_distributed(device: str, timeout_s: float) -> Dist:
     """Join the torchrun process group if WORLD_SIZE > 1 (gloo on CPU, NCCL on CUDA)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = launched_world_size()
     dist = Dist(int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0")))
     if world == 1:
         return dist

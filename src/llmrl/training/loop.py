@@ -24,7 +24,7 @@ from llmrl.errors import EngineDied, RunStopped
 from llmrl.tasks import resume_command
 from llmrl.tasks.score import ReservedName
 from llmrl.training.run import Run, StopOnSignal, evaluate_and_log, kept_checkpoint, save, setup_run
-from llmrl.training.step import DrawAhead, train_step
+from llmrl.training.step import train_step
 
 
 @dataclass
@@ -46,6 +46,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Tr
     try:
         return train_run(run)
     finally:
+        run.rollouts.close()
         run.engine.close()  # vllm-server: the child server stops on every exit path (SIGKILL: its parent-death signal)
         if run.lock is not None:
             run.lock.release()
@@ -60,18 +61,14 @@ def train_run(run: Run) -> TrainResult:
                   f"adapter: {run.resumed_from}", file=sys.stderr)
         close_run(run)
         return TrainResult(model=run.model, tokenizer=run.tokenizer, run_dir=run.dir, last_metrics={}, adapter=run.resumed_from)
-    ahead = DrawAhead(run) if run.plan.one_ahead else None  # async: step s+1 is drawn while step s learns
     try:
         if run.eval_n > 0 and cfg.eval_interval > 0 and run.resumed_from is None:
             evaluate_and_log(run, 0)  # the untrained policy, for comparison
             if logs_failed(run):
                 raise stop_after_failed_logs(run)
-        return loop(run, ahead)
+        return loop(run)
     except (EngineDied, ReservedName) as e:
         raise stop_with_checkpoint(run, str(e)) from None
-    finally:
-        if ahead is not None:
-            ahead.close()
 
 
 def close_run(run: Run) -> None:
@@ -115,7 +112,7 @@ def stop_with_checkpoint(run: Run, reason: str) -> RunStopped:
     return RunStopped(f"{reason}; checkpoint {path} (step {done}); resume with: {resume_command(run.cfg.task, run.dir)}")
 
 
-def loop(run: Run, ahead: DrawAhead | None) -> TrainResult:
+def loop(run: Run) -> TrainResult:
     """Steps run.start..steps: train_step, log, eval, save."""
     cfg, eval_on = run.cfg, run.eval_n > 0
     last: dict[str, Any] = {}
@@ -124,7 +121,7 @@ def loop(run: Run, ahead: DrawAhead | None) -> TrainResult:
                desc="train")
     with StopOnSignal() as stop:
         for step in bar:
-            result = train_step(run, step, ahead)
+            result = train_step(run, step)
             last = result.metrics
             warnings = run.health.check(cfg, last)
             for text in warnings:
@@ -145,8 +142,7 @@ def loop(run: Run, ahead: DrawAhead | None) -> TrainResult:
                 raise RunStopped(f"step {step}: {run.totals.bad_in_a_row} non-finite updates in a row (max_bad_steps="
                                  f"{cfg.max_bad_steps}); parameters are the last good ones, saved in {path}")
             if eval_on and (final or (cfg.eval_interval and step % cfg.eval_interval == 0)) and not logs_failed(run):
-                if ahead is not None:
-                    ahead.settle()  # eval loads version `step`: not while the next step's draw is in flight
+                run.rollouts.settle()  # eval loads version `step`: not while the next step's draw is in flight
                 last |= evaluate_and_log(run, step)
             if logs_failed(run):
                 raise stop_after_failed_logs(run)

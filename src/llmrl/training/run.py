@@ -52,6 +52,8 @@ from llmrl.training.cpu_speed import keep_heap_memory, use_hash_dropout
 from llmrl.training.distributed import Dist, init_distributed
 from llmrl.training.evaluate import evaluate
 from llmrl.training.health import Health
+from llmrl.training.rollouts import RolloutSource
+from llmrl.training.update import UpdateSettings
 
 
 @dataclass
@@ -91,9 +93,9 @@ class Run:
     health: Health = field(default_factory=Health)
     episodes: EpisodeRunner | None = None  # how the task's episodes run (a single-turn task: one-turn episodes)
     learned: int = 0  # the last step learned (start - 1 until the first)
-    drawn_from: dict[int, dict[str, Any]] = field(default_factory=dict)  # step → the task's state before its prompts
-    #   were drawn, for every step drawn and not yet learned: a checkpoint saves the oldest (async: the next
-    #   step's prompts are drawn before this step is saved, and a resumed run draws them again)
+    update: UpdateSettings | None = None  # how a rollout updates the policy (built once, by build_run)
+    rollouts: RolloutSource | None = None  # where each step's rollouts come from (sync, or one step ahead); it keeps
+    #   the task's state from before every drawn, unlearned step's prompts: a checkpoint saves the oldest
 
     @property
     def eval_n(self) -> int:
@@ -315,9 +317,21 @@ def build_run(cfg: TrainConfig, dist: Dist, lock: RunLock | None, resume: bool, 
         raise RunStopped(f"could not write {e.filename or run_dir}: {e.strerror or e}; {after}") from None
     episodes = environment_runner(cfg, task, model, tokenizer)
     engine = make_engine(cfg, plan, tokenizer, episodes.limits)
-    return Run(cfg=cfg, plan=plan, dir=run_dir, dist=dist, model=model, tokenizer=tokenizer, task=task, engine=engine,
-               optimizer=optimizer, shuffle=shuffle, logger=logger, start=start, resumed_from=checkpoint,
-               config_notes=notes, lock=lock, totals=totals, health=health, learned=start - 1, episodes=episodes)
+    # the update's settings, once: the loss and KL as configured, the plan's speed paths, and Dr. GRPO's constant
+    # (and the overlong penalty's budget) taken against the episode's token budget
+    update = UpdateSettings(
+        algo=cfg.algo, loss=dataclasses.replace(cfg.loss_settings, max_tokens=episodes.limits.episode_tokens),
+        ppo_epochs=cfg.ppo_epochs, minibatch_size=cfg.minibatch_size, grad_accum_steps=cfg.grad_accum_steps,
+        kl_coef=0.0 if cfg.kl_in_reward else cfg.kl_coef, kl_estimator=cfg.kl_estimator, kl_agg=cfg.kl_agg,
+        max_grad_norm=cfg.max_grad_norm, shared_prefix=plan.shared_prefix_update, fuse_accumulation=plan.fuse_accumulation,
+        token_budget=plan.token_budget, mismatch=cfg.mismatch_correction, mismatch_cap=cfg.mismatch_cap,
+        engine_old=plan.engine_old)
+    run = Run(cfg=cfg, plan=plan, dir=run_dir, dist=dist, model=model, tokenizer=tokenizer, task=task, engine=engine,
+              optimizer=optimizer, shuffle=shuffle, logger=logger, start=start, resumed_from=checkpoint,
+              config_notes=notes, lock=lock, totals=totals, health=health, learned=start - 1, episodes=episodes,
+              update=update)
+    run.rollouts = RolloutSource(run, plan.one_ahead)
+    return run
 
 
 def environment_runner(cfg: TrainConfig, task: Task, model, tokenizer) -> EpisodeRunner:
@@ -333,7 +347,8 @@ def save(run: Run, step: int) -> Path | None:
     rank_rng = run.dist.gather(rank_rng_state())
     if not run.dist.is_main:
         return None
-    task_state = run.drawn_from[min(run.drawn_from)] if run.drawn_from else run.task.state_dict()
+    drawn_from = run.rollouts.drawn_from if run.rollouts is not None else {}
+    task_state = drawn_from[min(drawn_from)] if drawn_from else run.task.state_dict()
     problem = task_state_problem(task_state)
     if problem:
         raise RunStopped(f"step {step}: the task's {problem}, so it cannot be checkpointed; {kept_checkpoint(run)}")
@@ -426,6 +441,9 @@ class StopOnSignal:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self.previous[sig] = signal.signal(sig, self.handle)
+            if getattr(self.previous[signal.SIGINT], "seen", False):  # the CLI's Ctrl-C came during set-up, and a
+                self.__exit__()  # library swallowed its exception (seen: mid-import): no step starts
+                raise KeyboardInterrupt
         return self
 
     def handle(self, signum: int, frame: Any) -> None:

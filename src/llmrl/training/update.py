@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from llmrl.algorithms.core import (
-    KL_ESTIMATORS, MISMATCH_REMOVES_ROWS, masked_mean, mismatch_loss_mask, mismatch_weights,
+    KL_ESTIMATORS, MISMATCH_REMOVES_ROWS, mismatch_loss_mask, mismatch_weights,
 )
 from llmrl.algorithms.losses import AGGREGATIONS, LOSSES, LossSettings
 from llmrl.models.scoring import sequence_logprobs, shared_prefix_logprobs
@@ -64,13 +64,6 @@ class UpdateBatch:
     spans: torch.Tensor | None = None  # [n] this rank's rows: columns after the prompt block up to the last scored
     #   token (a multi-turn row holds environment tokens between its replies); None: `lengths` (one reply each)
 
-    def rows(self, global_rows: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The per-row tensors of these global rows (which must be this rank's), trimmed to completions."""
-        idx = (global_rows - self.offset).to(self.adv.device)
-        tensors = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        picked = {k: v[idx] for k, v in tensors.items() if torch.is_tensor(v) and k not in ("lengths", "spans")}
-        return trim_to_completions(picked, self.prompt_len)
-
 
 @dataclass
 class UpdateStats:
@@ -90,14 +83,11 @@ class UpdateStats:
     empty_minibatches: int = 0  # minibatches without completion tokens (no forward, not accumulated)
     engine_diff: tuple[float, float, float] | None = None  # old_logprobs=engine: (Σ|Δ|, tokens, max |Δ|) of the
     #   trainer's log-probs before the first optimizer step (training forward: LoRA dropout on) vs the
-    #   engine's, over this rank's first window
+    #   engine's, over this rank's first window (the step fills it in for other vLLM runs, and sums it over ranks)
+    entropy: float | None = None  # the step's: the sampling policy's mean token entropy (hf engine)
+    lagged: bool = False  # the rows were drawn by an older policy than the one updated (async)
 
     MEAN_FIELDS = ("loss", "pg_loss", "kl", "clip_frac", "clip_frac_low", "clip_frac_high")
-
-    def logged(self) -> dict[str, float]:
-        """The train/ metrics of this update."""
-        keys = (*self.MEAN_FIELDS, "grad_norm", "lr")
-        return {f"train/{k}": getattr(self, k) for k in keys}
 
 
 def trim_to_completions(mb: dict[str, torch.Tensor], prompt_len: int) -> dict[str, torch.Tensor]:
@@ -125,29 +115,12 @@ def add_diff(acc: tuple[float, float, float] | None, a: torch.Tensor, b: torch.T
     return s + d.sum().item(), n + mask.sum().item(), max(m, d.max().item() if d.numel() else 0.0)
 
 
-def kl_term(kl_t: torch.Tensor, mask: torch.Tensor, kl_agg: str, loss: LossSettings) -> torch.Tensor:
-    """The KL term of the loss from per-token estimates kl_t, mask [M, T] → scalar.
-
-    token_mean (the seed's): Σ_it kl_it·m_it / Σ_it m_it, whatever the policy term's aggregation.
-    loss_agg (TRL adds β·kl_t to the per-token loss before its loss_type aggregates; verl's kl_loss uses
-    the policy's loss_agg_mode): AGGREGATIONS[loss.aggregate](kl_t, mask), e.g. seq_mean_token_mean
-    (1/M) Σ_i (Σ_t kl_it·m_it / Σ_t m_it)."""
-    if kl_agg == "token_mean":
-        return masked_mean(kl_t, mask)
-    return AGGREGATIONS[loss.aggregate](kl_t, mask, loss.max_tokens)
-
-
 def share_of(aggregate: str, piece: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> float:
     """The weight of a forward over global rows `piece` in a mean over the minibatch `rows`: its share of
     the tokens for a token mean, of the rows for the per-sequence means."""
     if aggregate == "token_mean":
         return 1.0 if len(piece) == len(rows) else (lengths[piece].sum() / lengths[rows].sum().clamp(min=1)).item()
     return len(piece) / len(rows)
-
-
-def own_rows(rows: torch.Tensor, batch: UpdateBatch) -> torch.Tensor:
-    """This rank's rows among global `rows` [M] (all of them in one process)."""
-    return rows[(rows >= batch.offset) & (rows < batch.offset + batch.adv.shape[0])]
 
 
 def widths(rows: torch.Tensor, batch: UpdateBatch) -> torch.Tensor:
@@ -183,7 +156,8 @@ def window_forwards(window: list[torch.Tensor], batch: UpdateBatch, fuse: bool,
     (minibatch rows, this rank's rows of it, the rows of those this forward runs): with `fuse` and
     within the budget, one forward for the whole window; otherwise each minibatch alone, in
     `budget_pieces` when it is over the budget. Minibatches without rows on this rank are left out."""
-    owns = [(rows, own_rows(rows, batch)) for rows in window]
+    n = batch.adv.shape[0]
+    owns = [(rows, rows[(rows >= batch.offset) & (rows < batch.offset + n)]) for rows in window]
     owns = [(rows, own) for rows, own in owns if len(own)]
     if not owns:
         return []
@@ -213,8 +187,8 @@ def policy_update(model, optimizer: torch.optim.Optimizer, batch: UpdateBatch, s
     Minibatches are drawn from a permutation of all N global rows per epoch (the same on every rank);
     each rank computes its rows' share, weighted by its share of the minibatch's rows (or tokens, for
     token means), and the ranks' gradients are summed. loss = (pg + kl_coef·KL) / grad_accum_steps,
-    KL = kl_term of KL_ESTIMATORS[kl_estimator] (a token mean, or the policy's aggregation); the minibatches of all epochs, in order, are
-    accumulated into optimizer steps (accumulation_windows: empty ones skipped, a remainder flushed at
+    KL = KL_ESTIMATORS[kl_estimator] averaged as a token mean or by the policy term's aggregation (kl_agg);
+    the minibatches of all epochs, in order, are accumulated into optimizer steps (accumulation_windows: empty ones skipped, a remainder flushed at
     the end). One forward per minibatch, or per window with fuse_accumulation (bigger matmuls, each
     prompt once per window), within token_budget padded tokens (`window_forwards`: a minibatch over it
     runs in pieces); the same losses and gradients either way. A non-finite loss or gradient
@@ -230,22 +204,24 @@ def policy_update(model, optimizer: torch.optim.Optimizer, batch: UpdateBatch, s
     minibatches = 0
     model.train()
     optimizer.zero_grad(set_to_none=True)
-
-    def forward(rows: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """This rank's rows among global `rows`: (their trimmed tensors, logp_new)."""
-        mb = batch.rows(rows)
-        if s.shared_prefix:
-            return mb, shared_prefix_logprobs(model, mb["input_ids"], mb["attention_mask"], batch.prompt_len, mb["group"])[0]
-        return mb, sequence_logprobs(model, mb["input_ids"], mb["attention_mask"], batch.prompt_len)[0]
+    per_row = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}  # this rank's [n, ...] tensors
+    per_row = {k: v for k, v in per_row.items() if torch.is_tensor(v) and k not in ("lengths", "spans")}
 
     minibatch_rows = [rows for _epoch in range(s.ppo_epochs)
                       for rows in torch.randperm(len(lengths), generator=generator).split(s.minibatch_size)]
     windows, stats.empty_minibatches = accumulation_windows(minibatch_rows, lengths, s.grad_accum_steps)
     for window in windows:  # one optimizer step per window
         bad = False
-        minibatches += sum(1 for rows in window if len(own_rows(rows, batch)))
-        for chunk in window_forwards(window, batch, s.fuse_accumulation, s.token_budget):
-            tensors, logp = forward(torch.cat([piece for _, _, piece in chunk]))
+        chunks = window_forwards(window, batch, s.fuse_accumulation, s.token_budget)
+        minibatches += len({id(rows) for chunk in chunks for rows, _, _ in chunk})  # those with rows on this rank
+        for chunk in chunks:
+            idx = torch.cat([piece for _, _, piece in chunk]).to(batch.adv.device) - batch.offset  # this rank's rows
+            tensors = trim_to_completions({k: v[idx] for k, v in per_row.items()}, batch.prompt_len)
+            if s.shared_prefix:  # logp_new [M, T]
+                logp = shared_prefix_logprobs(model, tensors["input_ids"], tensors["attention_mask"], batch.prompt_len,
+                                              tensors["group"])[0]
+            else:
+                logp = sequence_logprobs(model, tensors["input_ids"], tensors["attention_mask"], batch.prompt_len)[0]
             chunk_loss, start = 0.0, 0
             for rows, own, piece in chunk:
                 part = slice(start, start + len(piece))  # these rows of the chunk's forward
@@ -263,8 +239,11 @@ def policy_update(model, optimizer: torch.optim.Optimizer, batch: UpdateBatch, s
                                               s.mismatch_cap, in_ratio=s.engine_old and s.algo == "grpo")
                 pg, parts = loss_fn(logp[part], mb["logp_old"], mb["adv"], mb["completion_mask"], s.loss, weight)
                 kl_agg = "token_mean" if s.kl_agg == "token_mean" else s.loss.aggregate
-                kl = (kl_term(kl_fn(logp[part], mb["logp_ref"]), mb["completion_mask"], s.kl_agg, s.loss) if s.kl_coef > 0
-                      else torch.zeros((), device=pg.device))
+                # the KL term: a token mean (the seed's, whatever the policy term's aggregation), or the policy's
+                # aggregation, loss_agg (TRL adds β·kl_t to the per-token loss; verl's kl_loss uses loss_agg_mode)
+                kl = torch.zeros((), device=pg.device)
+                if s.kl_coef > 0:
+                    kl = AGGREGATIONS[kl_agg](kl_fn(logp[part], mb["logp_ref"]), mb["completion_mask"], s.loss.max_tokens)
                 # this forward's share of the minibatch's loss (1 in one process, unless split by the budget)
                 pg_share = share_of(s.loss.aggregate, piece, rows, lengths)
                 kl_share = share_of(kl_agg, piece, rows, lengths)
