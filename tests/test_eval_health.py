@@ -55,6 +55,7 @@ def test_sampled_metrics_over_groups():
     assert m["eval/maj@4"] == pytest.approx(0.5)
 
 
+@pytest.mark.slow
 def test_format_copy_sampled_eval_logs_pass_at_k_and_resumes_exactly(tmp_path, tiny_model_dir):
     out = tmp_path / "run"
     args = tiny_args(tiny_model_dir, out, "grpo", steps=2, task="format_copy", eval_samples_per_prompt=8,
@@ -89,6 +90,7 @@ def test_truncation_warning_within_three_steps(tmp_path, tiny_model_dir):
     assert [r["step"] for r in warned] == [3] and "max_new_tokens=2" in warned[0]["warnings"][0]
 
 
+@pytest.mark.slow
 def test_constant_reward_warns_no_spread_and_strict_health_stops_cleanly(tmp_path, tiny_model_dir):
     out = tmp_path / "run"
     p = run_cli(*tiny_args(tiny_model_dir, out, "grpo", steps=4, task=f"{TESTS / 'constant_reward.py'}:reward",

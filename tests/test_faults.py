@@ -44,6 +44,7 @@ def reference(tmp_path_factory, tiny_model_dir):
     ("kill_after_save@2", 1),
     ("kill_in_log@3", 1),  # a half-written metrics line
 ])
+@pytest.mark.slow
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tiny_model_dir, reference, fault, save_interval):
     out = tmp_path / "run"
     p = run_cli(*args(tiny_model_dir, out, save_interval=save_interval), fault=fault)
@@ -53,6 +54,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, tiny_model_dir, refe
     assert not list((out / "checkpoints").glob(".tmp-*"))
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_the_step_saves_and_resumes(tmp_path, tiny_model_dir, reference):
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, str(TESTS / "faults.py"), "slow_rollout", *args(tiny_model_dir, out, save_interval=100)],
@@ -70,6 +72,7 @@ def test_sigterm_finishes_the_step_saves_and_resumes(tmp_path, tiny_model_dir, r
     assert_same_run(reference, out, STEPS)
 
 
+@pytest.mark.slow
 def test_second_signal_exits_at_once_and_leaves_a_resumable_run(tmp_path, tiny_model_dir, reference):
     out = tmp_path / "run"
     # slow_rollout: each step sleeps 1 s first, so the second signal lands inside the step
@@ -98,6 +101,7 @@ def test_second_signal_exits_at_once_and_leaves_a_resumable_run(tmp_path, tiny_m
     ("eio_in_save@2", "Input/output error"),
     ("eio_in_latest@2", "Input/output error"),  # step 2 is complete, but `latest` still names step 1
 ])
+@pytest.mark.slow
 def test_a_failed_write_while_saving_keeps_the_previous_checkpoint(tmp_path, tiny_model_dir, reference, fault, reason):
     out = tmp_path / "run"
     p = run_cli(*args(tiny_model_dir, out, save_interval=1), fault=fault)
@@ -116,6 +120,7 @@ def test_a_failed_write_while_saving_keeps_the_previous_checkpoint(tmp_path, tin
     ("enospc_in_log@2", "metrics.jsonl", "No space left on device"),  # half of step 2's line is written
     ("eio_in_samples@2", "samples.jsonl", "Input/output error"),
 ])
+@pytest.mark.slow
 def test_a_failed_log_write_stops_at_the_last_checkpoint(tmp_path, tiny_model_dir, reference, fault, file, reason):
     """Step 2's records went with the disk, so step 2 is not saved: the resume redoes it and logs every step once."""
     out = tmp_path / "run"
@@ -130,6 +135,7 @@ def test_a_failed_log_write_stops_at_the_last_checkpoint(tmp_path, tiny_model_di
     assert_same_run(reference, out, STEPS)
 
 
+@pytest.mark.slow
 def test_a_failed_report_write_saves_the_step_and_stops(tmp_path, tiny_model_dir):
     out = tmp_path / "run"
     p = run_cli(*args(tiny_model_dir, out, steps=2, save_interval=100, eval_interval=1, eval_n=2), fault="eio_in_report@2")
@@ -142,6 +148,7 @@ def test_a_failed_report_write_saves_the_step_and_stops(tmp_path, tiny_model_dir
     assert [r["step"] for r in train_records(out)] == [1, 2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, reference, damage):
     out = tmp_path / "run"
@@ -290,6 +297,7 @@ def test_hostile_math_rows_are_skipped_and_counted(tmp_path):
         MathHardTask(data=str(f))
 
 
+@pytest.mark.slow
 def test_a_reward_function_that_mostly_raises_is_counted_in_training_and_eval(tmp_path, tiny_model_dir):
     """Exit 0, no traceback; the raises score 0 and are counted in reward/errors and eval/reward_errors."""
     out = tmp_path / "run"

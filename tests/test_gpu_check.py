@@ -1,3 +1,4 @@
+import pytest
 """benchmarks/gpu_check.py --dry: the GPU check's CPU version passes every check (vllm may only be
 skipped where it is not installed)."""
 
@@ -10,6 +11,7 @@ from helpers import TESTS
 CHECKS = ("train[hf]", "train[vllm]", "parity[hf]", "parity[vllm]", "resume[hf]", "overlong[hf]", "export[hf]")
 
 
+@pytest.mark.slow
 def test_dry_run_passes_every_check(tmp_path):
     script = TESTS.parent / "benchmarks" / "gpu_check.py"
     p = subprocess.run([sys.executable, str(script), "--dry", "--out", str(tmp_path)], capture_output=True, text=True,

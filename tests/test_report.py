@@ -241,6 +241,7 @@ def test_tensorboard_missing_is_a_config_error(monkeypatch, tmp_path):
         TensorBoardLogger(tmp_path / "tb")
 
 
+@pytest.mark.slow
 def test_training_refreshes_its_report_and_writes_tensorboard(tmp_path, tiny_model_dir):
     """A real (tiny) run: report.html is refreshed at each eval, TensorBoard gets the same metric names,
     and `llmrl report` reads the run directory."""

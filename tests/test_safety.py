@@ -78,6 +78,7 @@ def test_a_second_trainer_on_a_locked_run_stops_at_once_and_touches_nothing(fini
     assert files(out) == before
 
 
+@pytest.mark.slow
 def test_a_running_trainer_holds_its_run_until_it_ends(tmp_path, tiny_model_dir):
     out = tmp_path / "run"
     with open(tmp_path / "first.err", "w") as err:
@@ -139,6 +140,7 @@ def test_a_config_yaml_unlike_its_checkpoint_is_refused_on_resume(finished, tmp_
     assert files(out) == before
 
 
+@pytest.mark.slow
 def test_config_yaml_changes_with_the_checkpoint_that_uses_it(finished, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(finished, out)
@@ -166,6 +168,7 @@ def plain_json(value) -> bool:
     return value is None or isinstance(value, (bool, int, float, str))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", ["reward", "NumpyTask"])
 def test_numpy_and_torch_numbers_from_a_task_are_logged_as_plain_numbers(tmp_path, tiny_model_dir, task):
     out = tmp_path / "run"

@@ -154,6 +154,7 @@ def test_shared_prefix_forward_equals_the_plain_forward_with_gradients(policy):
     assert torch.allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_fast_and_plain_paths_train_alike(tmp_path, tiny_model_dir):
     """Two steps with every speed path on and with --fast false: same samples, adapters within 1e-4."""
     from helpers import cli, lora_tensors, read_jsonl, tiny_args

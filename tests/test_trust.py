@@ -55,6 +55,7 @@ def test_chat_refuses_a_run_dir_task_file_in_one_line_and_does_not_import_it(run
     refused("chat", *run, tmp_path / "out")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["eval --adapter", "eval --run", "export --merge", "train --resume"])
 def test_a_run_dir_task_file_is_refused_and_runs_when_named_again_with_task(run, tmp_path, command):
     run_dir, spec, marker = run

@@ -16,6 +16,7 @@ from helpers import TESTS, cli, lora_tensors, read_jsonl, run_cli, tiny_args
 REPO = TESTS.parent
 
 
+@pytest.mark.slow
 def test_cuda_on_a_cpu_torch_and_math_hard_offline_are_one_line_and_leave_no_directory(tmp_path, tiny_model_dir):
     if torch.cuda.is_available():
         return  # the point is a machine without CUDA
@@ -43,6 +44,7 @@ def test_version_and_did_you_mean():
     assert p.returncode == 2 and "did you mean --group_size?" in p.stderr and "llmrl train --help" in p.stderr
 
 
+@pytest.mark.slow
 def test_resume_says_where_it_starts_and_a_finished_run_does_nothing(tmp_path, tiny_model_dir):
     out = tmp_path / "run"
     p = cli(*tiny_args(tiny_model_dir, out, "grpo", steps=1, eval_n=0))
@@ -65,6 +67,7 @@ def test_api_example_runs(tmp_path, tiny_model_dir):
     assert [r["step"] for r in records if "reward/mean" in r] == [1, 2]
 
 
+@pytest.mark.slow
 def test_export_merge_loads_with_plain_transformers_and_gives_llmrl_eval_completions(tmp_path, tiny_model_dir):
     run = tmp_path / "run"
     cli(*tiny_args(tiny_model_dir, run, "grpo", steps=2, eval_n=4, lr=0.05, lora_dropout=0))
@@ -96,6 +99,7 @@ def test_export_merge_loads_with_plain_transformers_and_gives_llmrl_eval_complet
     assert p.returncode == 2 and "not empty" in p.stderr
 
 
+@pytest.mark.slow
 def test_export_merges_in_fp32_when_the_run_trained_in_bf16(tmp_path, tiny_model_dir):
     """A run with bf16 weights: the merged export is W + s·B·A computed in fp32 from the fp32 base (a merge
     into bf16 weights rounds each element to 8 bits of mantissa and loses deltas below that), saved in the
@@ -140,6 +144,7 @@ def test_readme_shows_the_tested_api_example_and_the_brevity_command():
     assert "llmrl train --config configs/brevity.yaml" in doc and "llmrl train --config configs/brevity.yaml" in readme
 
 
+@pytest.mark.slow
 def test_a_run_raises_no_future_warning_from_transformers_or_peft(tmp_path, tiny_model_dir):
     """Both checkpointing settings, with every FutureWarning turned into an error."""
     for checkpointing in ("true", "false"):
@@ -233,7 +238,9 @@ def test_every_unknown_yaml_key_is_named_at_once_with_its_suggestion(tmp_path):
 
 def test_ctrl_c_before_step_1_is_one_line_and_exit_130(tmp_path, tiny_model_dir):
     """SIGINT while the run starts: half a second in (importing torch and transformers), and as the run
-    directory appears (loading the model). One line, no traceback, exit 130."""
+    directory appears (loading the model). One line, no traceback, exit 130. The child gets SIGINT's default
+    disposition, as from a terminal: where the suite was started in the background (`cmd &` in a script) it
+    inherits an ignored SIGINT, which llmrl leaves ignored until its steps run (as nohup asks)."""
     import signal
     import time
 
@@ -241,7 +248,8 @@ def test_ctrl_c_before_step_1_is_one_line_and_exit_130(tmp_path, tiny_model_dir)
     for when in ("imports", "model"):
         out = tmp_path / when
         p = subprocess.Popen([sys.executable, "-m", "llmrl", *tiny_args(tiny_model_dir, out, "grpo", steps=50)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         if when == "imports":
             time.sleep(0.5)
         deadline = time.monotonic() + 300
@@ -321,3 +329,25 @@ def test_a_missing_vllm_is_one_line_before_the_model_loads(tmp_path, monkeypatch
     if find_spec("vllm") is None:
         p = run_cli("train", "--rollout_engine", "vllm", "--output_dir", str(tmp_path / "cli"))
         assert "the vllm package is not installed" in one_error_line(p) and not (tmp_path / "cli").exists()
+
+
+def test_a_ctrl_c_swallowed_during_set_up_stops_before_step_1():
+    """A library can swallow the CLI's Interrupted mid-import (the set-up then goes on): the loop's signal handler
+    sees that the CLI's handler was called and stops before any step, with the handlers restored."""
+    import signal
+
+    from llmrl.cli import CtrlC
+    from llmrl.training.run import StopOnSignal
+
+    ctrl_c = CtrlC()
+    before = signal.signal(signal.SIGINT, ctrl_c)
+    try:
+        with StopOnSignal():  # not called yet: the loop runs
+            assert signal.getsignal(signal.SIGINT) is not ctrl_c
+        ctrl_c.seen = True
+        with pytest.raises(KeyboardInterrupt):
+            with StopOnSignal():
+                raise AssertionError("a step ran after a Ctrl-C")
+        assert signal.getsignal(signal.SIGINT) is ctrl_c
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -390,6 +390,7 @@ def test_llmrl_serve_starts_on_this_cpu_with_a_key_of_its_own(tmp_path, server_m
     assert gone(p.pid)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::"])
 def test_llmrl_serve_on_a_reachable_address_needs_a_chosen_key(host, tmp_path):
     from helpers import run_cli
