@@ -36,7 +36,8 @@ def main() -> None:
                         p.normal_(0, 0.05, generator=torch.Generator().manual_seed(version))
         server.load(model, version)
         hf.load(model, version)
-        served, trained = server.greedy(MESSAGES, 12)[0], hf.greedy(MESSAGES, 12)[0]
+        served, trained = (one_turn(e, tok, MESSAGES, group_size=1, seed=0, sampling=dataclasses.replace(e.sampling, max_new_tokens=12), greedy=True).texts
+                           for e in (server, hf))
         print(f"v{version} greedy: server {served} / hf {trained}: {'equal' if served == trained else 'DIFFER'}")
     a, b = (one_turn(server, tok, MESSAGES, group_size=2, seed=3, sampling=server.sampling, device="cpu") for _ in range(2))
     print("same keys, same completions:", a.texts == b.texts)

@@ -67,3 +67,14 @@ def tiny_model_dir(tmp_path_factory, embedded_path) -> str:
     """A randomly initialised 2-layer Llama (hidden 32) with the embedded model's tokenizer and chat template."""
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), embedded_path, hidden=32, intermediate=64, heads=4,
                            kv_heads=2, positions=256)
+
+
+def greedy_replies(engine, messages, max_new_tokens: int) -> list[str]:
+    """An engine's greedy replies to chat prompts, made as eval makes them (one-turn episodes through
+    rollout/episodes.py, the prompt cut to the engine's max_prompt_tokens)."""
+    import dataclasses
+
+    from llmrl.rollout.episodes import one_turn
+
+    s = dataclasses.replace(engine.sampling, repetition_penalty=1.0, min_new_tokens=0, max_new_tokens=max_new_tokens)
+    return one_turn(engine, engine.tokenizer, messages, group_size=1, seed=0, sampling=s, greedy=True).texts

@@ -138,7 +138,7 @@ def test_bf16_old_and_new_logprobs_are_the_same_at_theta_old(tiny_model_dir, mon
                         max_new_tokens=9, max_prompt_tokens=64)
     rollouts = {}
     for from_sampler in (False, True):
-        engine = HFEngine(tok, sampling, eval_batch_size=8, merge_lora=True, sampler_logp=from_sampler)
+        engine = HFEngine(tok, sampling, merge_lora=True, sampler_logp=from_sampler)
         engine.load(model, 0)
         r = one_turn(engine, tok, MESSAGES, group_size=3, seed=4, sampling=sampling, device="cpu")
         rollouts[from_sampler] = add_logprobs(model, r, chunk=6, group_size=3, shared_prefix=True, with_ref=False)

@@ -56,7 +56,7 @@ def play(model, tok, monkeypatch, examples, group_size=3, limits=None, env=None,
     import llmrl.rollout.hf as hf
 
     monkeypatch.setattr(hf, "KeyedSampler", stop_after(4, tok.eos_token_id, spread))
-    engine = HFEngine(tok, SAMPLING, eval_batch_size=8, merge_lora=False, sampler_logp=True)
+    engine = HFEngine(tok, SAMPLING, merge_lora=False, sampler_logp=True)
     engine.load(model, 0)
     limits = limits or Limits(max_turns=3, episode_tokens=15, reply_tokens=5, env_tokens=50, env_timeout=30)
     return run_episodes(engine, env or ScriptEnv(), tok, examples, group_size=group_size, seed=5, first_prompt=0,
@@ -144,7 +144,7 @@ def test_a_single_turn_rollout_is_the_one_turn_episode_with_the_rows_of_one_gene
     assert len(set(lengths)) == 3
     # the longest prompt is cut to the middle one's length; min_new_tokens 1 holds EOS back at the first token
     sampling = dataclasses.replace(SAMPLING, min_new_tokens=1, max_prompt_tokens=sorted(lengths)[1])
-    engine = HFEngine(tok, sampling, eval_batch_size=8, merge_lora=False, sampler_logp=True)
+    engine = HFEngine(tok, sampling, merge_lora=False, sampler_logp=True)
     engine.load(model, 0)
     r = one_turn(engine, tok, messages, group_size=3, seed=1, first_prompt=4, sampling=sampling, device="cpu")
 
@@ -271,7 +271,7 @@ class ScriptedReplies:
     def episodes(self):
         return contextlib.nullcontext()
 
-    def continue_ids(self, contexts, keys, sampling, max_new_tokens, greedy=False, group_size=1):
+    def continue_ids(self, contexts, keys, sampling, max_new_tokens, greedy=False, group_size=1, logprobs=True):
         from llmrl.rollout.base import Reply
 
         self.contexts.append([list(c) for c in contexts])
@@ -788,7 +788,7 @@ def test_environment_and_prompt_text_that_spells_special_tokens_stays_text(tiny_
 class PerContext(ScriptedReplies):
     """Replies chosen per context: call c gives context k the ids replies[c][k]."""
 
-    def continue_ids(self, contexts, keys, sampling, max_new_tokens, greedy=False, group_size=1):
+    def continue_ids(self, contexts, keys, sampling, max_new_tokens, greedy=False, group_size=1, logprobs=True):
         from llmrl.rollout.base import Reply
 
         self.contexts.append([list(c) for c in contexts])

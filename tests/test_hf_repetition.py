@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, RepetitionPenaltyL
 
 from llmrl.models.loading import add_lora
 from llmrl.rollout.base import Sampling
+from llmrl.rollout.episodes import one_turn
 from llmrl.rollout.hf import HFEngine, RepetitionPenalty
 
 PENALTY = 1.3  # not exact in binary
@@ -30,7 +31,7 @@ def engine(tiny_model_dir):
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.5, generator=torch.Generator().manual_seed(2))
-    engine = HFEngine(tok, SAMPLING, eval_batch_size=8, merge_lora=False, sampler_logp=False)
+    engine = HFEngine(tok, SAMPLING, merge_lora=False, sampler_logp=False)
     engine.load(model, 0)
     return engine
 
@@ -82,7 +83,7 @@ def test_a_later_turn_is_the_same_alone_and_beside_a_longer_context(engine, gree
 
 @pytest.mark.parametrize("greedy", [True, False])
 def test_chat_samples_are_the_same_alone_and_beside_a_longer_prompt(engine, greedy):
-    """`sample` (eval's sampled completions, near-greedy at a tiny temperature): k = 3 per prompt,
+    """Sampled eval's completions (one-turn episodes, near-greedy at a tiny temperature): k = 3 per prompt,
     prompts left-padded to the longest."""
     from llmrl.rollout.prompts import render
 
@@ -90,9 +91,9 @@ def test_chat_samples_are_the_same_alone_and_beside_a_longer_prompt(engine, gree
     long = [{"role": "system", "content": "Be brief, but not too brief, and never rude."},
             {"role": "user", "content": "Hello there, model, how are you today? Say something long."}]
     s = dataclasses.replace(SAMPLING, temperature=1e-4 if greedy else 0.7)
-    alone, _ = engine.sample([short], k=3, seed=4, first_prompt=0, sampling=s)
+    alone = one_turn(engine, engine.tokenizer, [short], group_size=3, seed=4, sampling=s).texts
     pad_with(engine, engine.continue_ids([render(engine.tokenizer, short)], [0], s, 1, greedy=True)[0].ids[0])
-    both, _ = engine.sample([short, long], k=3, seed=4, first_prompt=0, sampling=s)
+    both = one_turn(engine, engine.tokenizer, [short, long], group_size=3, seed=4, sampling=s).texts
     assert both[:3] == alone
 
 

@@ -54,7 +54,7 @@ def sample(model, tok, messages, extra_eos=(), *, seed=11, first_prompt=0, logp_
     """G = 3 completions per prompt (T 0.9, top-p 0.95, 1-8 tokens) with log-probs, as a training step draws them."""
     sampling = Sampling(temperature=0.9, top_p=0.95, top_k=0, repetition_penalty=1.0, min_new_tokens=1,
                         max_new_tokens=8, max_prompt_tokens=64)
-    engine = HFEngine(tok, sampling, eval_batch_size=8, merge_lora=merge_lora, sampler_logp=logp_from_sampler)
+    engine = HFEngine(tok, sampling, merge_lora=merge_lora, sampler_logp=logp_from_sampler)
     engine.load(model, 0)
     with stopping_also_at(model, extra_eos):
         r = one_turn(engine, tok, messages, group_size=3, seed=seed, first_prompt=first_prompt, sampling=sampling,

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 pytest.importorskip("vllm", reason="the vllm engine is not installed (make vllm)")
 
-from conftest import save_tiny_llama  # noqa: E402
+from conftest import greedy_replies, save_tiny_llama  # noqa: E402
 from helpers import TESTS, assert_same_run, cli, read_jsonl, run_cli, tiny_args, train_records  # noqa: E402
 from llmrl.config import load_config, resolve  # noqa: E402
 from llmrl.rollout import add_logprobs, make_engine  # noqa: E402
@@ -64,7 +64,7 @@ def test_greedy_equals_the_hf_policy_after_sync_and_a_stale_engine_is_caught(vll
 
     def both():
         hf.load(model, 0)
-        return engine.greedy(messages, 8)[0], hf.greedy(messages, 8)[0]
+        return greedy_replies(engine, messages, 8), greedy_replies(hf, messages, 8)
 
     def logprob_gap():
         r = one_turn(engine, tok, messages[:3], group_size=3, seed=11, sampling=engine.sampling, device="cpu")

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import save_tiny_llama
+from conftest import greedy_replies, save_tiny_llama
 from llmrl.config import load_config, resolve
 from llmrl.errors import ConfigError, EngineDied
 from llmrl.rollout import add_logprobs, make_engine
@@ -91,7 +91,7 @@ def test_each_served_version_answers_like_the_trainers_policy_at_that_version(tm
             perturb_lora(model, version)
             engine.load(model, version)
             hf.load(model, version)
-            served, trained = engine.greedy(messages, 8)[0], hf.greedy(messages, 8)[0]
+            served, trained = greedy_replies(engine, messages, 8), greedy_replies(hf, messages, 8)
             assert served == trained, version
             seen.append(served)
         assert seen[0] != seen[1] != seen[2], "each perturbation must change the greedy completions"
@@ -333,7 +333,7 @@ def test_two_runs_adapters_on_one_server_stay_apart(served, server_model_dir):
         other.load(model, 1)
         assert {engine.adapter(1), other.adapter(1)} <= set(engine.server.model_ids())
         messages = [[{"role": "user", "content": c}] for c in ("abc", "hello", "zz top")]
-        assert engine.greedy(messages, 8)[0] != other.greedy(messages, 8)[0]
+        assert greedy_replies(engine, messages, 8) != greedy_replies(other, messages, 8)
     finally:
         other._pool.shutdown()
         engine.server.request("/v1/unload_lora_adapter", {"lora_name": other.adapter(1)})

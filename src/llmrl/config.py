@@ -126,7 +126,7 @@ class TrainConfig:
     # evaluation, logging, checkpoints
     eval_interval: int = doc(100, "evaluate every this many steps, and at the end (0 = only at the end)")
     eval_n: int | None = doc(None, "eval examples (default: the task's, 64 for format_copy, 512 for math_hard)")
-    eval_batch_size: int = doc(32, "prompts per generate call in eval")
+    eval_batch_size: int = doc(32, "eval examples per engine call (each with its eval_samples_per_prompt episodes)")
     eval_samples_per_prompt: int = doc(1, "completions per eval prompt: 1 = greedy; k > 1 = sampled with eval_temperature/eval_top_p, logging pass@1, pass@2, …, pass@k and maj@k")
     eval_temperature: float = doc(1.0, "sampling temperature of sampled eval (eval_samples_per_prompt > 1)")
     eval_top_p: float = doc(1.0, "nucleus threshold of sampled eval (1 = off)")

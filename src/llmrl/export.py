@@ -142,6 +142,8 @@ def chat(path: Path, task: str | None = None, max_new_tokens: int = 256, lines=N
     names is imported only with `trust_task_code` or `task` (tasks.check_task_code)."""
     from llmrl.config import resolve
     from llmrl.rollout import make_engine
+    from llmrl.rollout.base import Sampling
+    from llmrl.rollout.episodes import one_turn
     from llmrl.tasks import check_task_code, task_from_config
 
     checkpoint, run_dir = find_checkpoint(path)
@@ -156,14 +158,15 @@ def chat(path: Path, task: str | None = None, max_new_tokens: int = 256, lines=N
         pass
     engine = make_engine(cfg, resolve(cfg), tokenizer)
     engine.load(model, 0)
+    sampling = Sampling(temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0, min_new_tokens=0,
+                        max_new_tokens=max_new_tokens, max_prompt_tokens=cfg.max_prompt_tokens)  # greedy replies
     write(f"llmrl chat: {checkpoint} ({cfg.task}); one message per line, Ctrl-D to quit")
     for line in (lines if lines is not None else sys.stdin):
         text = line.strip()
         if not text:
             continue
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-        reply, _ = engine.greedy([messages], max_new_tokens)
-        write(reply[0])
+        write(one_turn(engine, tokenizer, [messages], group_size=1, seed=0, sampling=sampling, greedy=True).texts[0])
     return 0
 
 

@@ -66,7 +66,7 @@ def _vllm_server_engine(tokenizer, sampling: Sampling, cfg, plan, limits):
 
 
 ENGINES = {
-    "hf": lambda tokenizer, sampling, cfg, plan, limits: HFEngine(tokenizer, sampling, eval_batch_size=cfg.eval_batch_size,
+    "hf": lambda tokenizer, sampling, cfg, plan, limits: HFEngine(tokenizer, sampling,
                                                                   merge_lora=plan.merge_lora, sampler_logp=plan.sampler_logp),
     "vllm": _vllm_engine,
     "vllm-server": _vllm_server_engine,

@@ -3,10 +3,8 @@ which completes a rollout with its old and reference log-probs (engines generate
 
     engine.load(model, version)                          before each rollout: sample from exactly this policy
     engine.release()                                     after sampling, before the old/ref forwards and the update
-    engine.greedy(messages, max_new_tokens)              one greedy completion per prompt (eval)
-    engine.sample(messages, k, seed, first, sampling)    k sampled completions per prompt (eval with k > 1)
-    engine.continue_ids(contexts, keys, sampling, n)     one reply per context of token ids: every training
-                                                         rollout's turns (rollout/episodes.py; single-turn = one turn)
+    engine.continue_ids(contexts, keys, sampling, n)     one reply per context of token ids: every turn of every
+                                                         rollout and eval (rollout/episodes.py; single-turn = one turn)
     with engine.episodes(): ...                          the turns of one rollout's episodes (one policy)
 """
 
@@ -161,7 +159,7 @@ class RolloutEngine(Protocol):
     sampler_logp: bool  # the log-probs continue_ids returns are the trainer's own (hf fp32): the old log-probs
 
     def load(self, model, version: int) -> None:
-        """Make the next continue_ids/greedy/sample draw from `model`'s weights (adapter included), which are
+        """Make the next continue_ids draw from `model`'s weights (adapter included), which are
         policy version `version` (the RL steps it has learned): an engine that already holds that version
         may skip the transfer, so a new version number is how an engine learns the weights changed."""
 
@@ -169,15 +167,12 @@ class RolloutEngine(Protocol):
         """Generation is over: free what the engine holds that the old/ref forwards and the update could use
         (vLLM sleep on CUDA)."""
 
-    def greedy(self, messages: list[list[dict[str, str]]], max_new_tokens: int) -> tuple[list[str], int]:
-        """One greedy completion per prompt: (texts, number cut at max_new_tokens)."""
-
     def continue_ids(self, contexts: list[list[int]], keys: list[int], sampling: Sampling, max_new_tokens: int,
-                     greedy: bool = False, group_size: int = 1) -> list[Reply]:
+                     greedy: bool = False, group_size: int = 1, logprobs: bool = True) -> list[Reply]:
         """Token-in/token-out: one reply per context of exact token ids (no chat template), noise keyed
         by keys (greedy: argmax); contexts come in runs of group_size equal ones (an engine may share
-        their prefill). Every training rollout is made of these (rollout/episodes.py: a single-turn task's
-        episodes have one turn)."""
+        their prefill). Every rollout and eval is made of these (rollout/episodes.py: a single-turn task's
+        episodes have one turn). `logprobs` False (eval): no per-token log-probs or entropies come back."""
 
     def close(self) -> None:
         """The run is over (or failed): stop what the engine started (vllm-server: its server process)."""
@@ -186,10 +181,6 @@ class RolloutEngine(Protocol):
         """The continue_ids calls of one rollout's episodes happen inside this (weights unchanged): an
         engine may keep each episode's KV cache from one turn to the next."""
 
-    def sample(self, messages: list[list[dict[str, str]]], *, k: int, seed: int, first_prompt: int,
-               sampling: Sampling) -> tuple[list[str], int]:
-        """k completions per prompt drawn with `sampling`, keyed like a rollout's first turn (sampled eval): (texts
-        prompt-major, number cut at max_new_tokens)."""
 
 
 def add_logprobs(model, r: Rollout, *, chunk: int, group_size: int, shared_prefix: bool, with_ref: bool,

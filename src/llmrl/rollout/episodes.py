@@ -137,14 +137,14 @@ def capped_turn(tokenizer, messages: list[dict[str, str]], max_tokens: int, over
 
 def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size: int, seed: int, first_prompt: int,
                  sampling: Sampling, limits: Limits, eos: list[int], greedy: bool = False,
-                 device: torch.device | str = "cpu", steps: ProcessSteps | ThreadSteps | None = None
-                 ) -> tuple[Rollout, list[Episode]]:
+                 device: torch.device | str = "cpu", steps: ProcessSteps | ThreadSteps | None = None,
+                 logprobs: bool = True) -> tuple[Rollout, list[Episode]]:
     """group_size episodes per example (prompt-major), every turn of every live episode in one engine
     call; sampling noise keyed by (seed, first_prompt + b, g, turn) (turn 0: that of a single-turn
     completion). The environment's steps of a turn run together in `steps` (the run's; None: threads
     for this call only). Returns the rows as a Rollout on `device` (the trainer's; logp_old None: the
     trainer scores them, except hf's sampler log-probs; engine_logp when the engine gave log-probs for
-    every reply) and the episodes."""
+    every reply; `logprobs` False, as eval asks: neither) and the episodes."""
     one_turn = isinstance(env, OneTurn)
     # the end-of-turn id the template closes a reply with; a reply that ends on another EOS id ends its episode
     turn_end = None if one_turn or limits.max_turns == 1 else end_of_turn(tokenizer, eos or [tokenizer.eos_token_id])
@@ -153,7 +153,7 @@ def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size:
         with contextlib.closing(ThreadSteps(env, 4)) as own:
             return run_episodes(engine, env, tokenizer, examples, group_size=group_size, seed=seed,
                                 first_prompt=first_prompt, sampling=sampling, limits=limits, eos=eos, greedy=greedy,
-                                device=device, steps=own)
+                                device=device, steps=own, logprobs=logprobs)
     episodes, contexts, prompts, tails = [], [], [], []
     truncated = 0
     for b, ex in enumerate(examples):
@@ -196,7 +196,7 @@ def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size:
             # turn 0: a group shares its prompt (unless the environment's start failed for part of one)
             shared = turn == 0 and len(live) == group_size * len({i // group_size for i in live})
             replies = engine.continue_ids([contexts[i] for i in live], turn_keys, sampling, max(budgets), greedy=greedy,
-                                          group_size=group_size if shared else 1)
+                                          group_size=group_size if shared else 1, logprobs=logprobs)
             stepping = []  # the episodes whose reply ended: the environment answers each
             for i, budget, reply in zip(live, budgets, replies):
                 ep = episodes[i]
@@ -300,10 +300,10 @@ class EpisodeRunner:
     steps: ProcessSteps | ThreadSteps | None = None  # the run's step workers (None: a single-turn task)
 
     def __call__(self, engine, examples: list[Example], *, group_size: int, seed: int, first_prompt: int,
-                 sampling: Sampling, greedy: bool = False) -> tuple[Rollout, list[Episode]]:
+                 sampling: Sampling, greedy: bool = False, logprobs: bool = True) -> tuple[Rollout, list[Episode]]:
         return run_episodes(engine, self.env, self.tokenizer, examples, group_size=group_size, seed=seed,
                             first_prompt=first_prompt, sampling=sampling, limits=self.limits, eos=self.eos,
-                            greedy=greedy, device=self.device, steps=self.steps)
+                            greedy=greedy, device=self.device, steps=self.steps, logprobs=logprobs)
 
     def abandoned(self) -> int:
         """The step workers' gauge for the step's rollout/ metrics: abandoned steps still running (threads)."""
@@ -330,14 +330,16 @@ def episode_runner(cfg, env, tokenizer, eos: list[int], device: torch.device | s
 
 
 def one_turn(engine, tokenizer, messages: list[list[dict[str, str]]], *, group_size: int, seed: int,
-             sampling: Sampling, device: torch.device | str, first_prompt: int = 0) -> Rollout:
+             sampling: Sampling, device: torch.device | str = "cpu", first_prompt: int = 0, greedy: bool = False) -> Rollout:
     """group_size completions per prompt (prompt-major) on `device`, drawn exactly as a single-turn
-    training step draws them: one-turn episodes, noise keyed by (seed, first_prompt + b, g)."""
+    training step draws them (greedy: as greedy eval does): one-turn episodes, noise keyed by
+    (seed, first_prompt + b, g); their texts in `.texts`."""
     limits = Limits(max_turns=1, episode_tokens=sampling.max_new_tokens, reply_tokens=sampling.max_new_tokens,
                     env_tokens=0, env_timeout=60.0)
     examples = [Example(messages=m, answer=None) for m in messages]
     return run_episodes(engine, OneTurn(None), tokenizer, examples, group_size=group_size, seed=seed,
-                        first_prompt=first_prompt, sampling=sampling, limits=limits, eos=[], device=device)[0]
+                        first_prompt=first_prompt, sampling=sampling, limits=limits, eos=[], greedy=greedy,
+                        device=device)[0]
 
 
 def episode_counts(episodes: list[Episode], abandoned: int = 0) -> EpisodeCounts:

@@ -22,7 +22,7 @@ from llmrl.models.lora import merged_lora
 from llmrl.models.scoring import CACHE, inference_mode, position_ids, sampler_logprobs
 from llmrl.rollout.base import Reply, Sampling
 from llmrl.rollout.keyed import KeyedSampler, mix
-from llmrl.rollout.prompts import decode_completions, encode_prompts, eos_ids
+from llmrl.rollout.prompts import eos_ids
 
 
 def greedy_config(tokenizer, eos: list[int], *, repetition_penalty: float, min_new_tokens: int,
@@ -195,10 +195,10 @@ def resume_rows(model, contexts: list[list[int]], kept: list[Kept], pad_id: int,
 
 
 class HFEngine:
-    """Rollouts and greedy eval with HF generate on the live policy (see the module docstring)."""
+    """Rollouts and eval with HF generate on the live policy (see the module docstring)."""
 
-    def __init__(self, tokenizer, sampling: Sampling, *, eval_batch_size: int, merge_lora: bool, sampler_logp: bool):
-        self.tokenizer, self.sampling, self.eval_batch_size = tokenizer, sampling, eval_batch_size
+    def __init__(self, tokenizer, sampling: Sampling, *, merge_lora: bool, sampler_logp: bool):
+        self.tokenizer, self.sampling = tokenizer, sampling
         self.merge_lora, self.sampler_logp = merge_lora, sampler_logp
         self.model, self.version = None, -1
         self._kept: list[Kept] | None = None  # inside episodes(): the rows of the last continue_ids call
@@ -228,37 +228,9 @@ class HFEngine:
     def _config(self, **kw) -> GenerationConfig:
         return greedy_config(self.tokenizer, eos_ids(self.model, self.tokenizer), **kw)
 
-    def sample(self, messages: list[list[dict[str, str]]], *, k: int, seed: int, first_prompt: int,
-               sampling: Sampling) -> tuple[list[str], int]:
-        """k sampled completions per prompt with `sampling` (eval's), eval_batch_size prompts at a time:
-        (texts [len(messages)·k] prompt-major, number cut at max_new_tokens)."""
-        texts: list[str] = []
-        truncated = 0
-        for i in range(0, len(messages), self.eval_batch_size):
-            part, cut = self._draw(messages[i : i + self.eval_batch_size], k, seed, first_prompt + i, sampling)
-            texts += part
-            truncated += cut
-        return texts, truncated
-
-    def _draw(self, messages: list[list[dict[str, str]]], group_size: int, seed: int, first_prompt: int,
-              s: Sampling) -> tuple[list[str], int]:
-        """group_size keyed completions per prompt: (texts prompt-major, number cut at max_new_tokens)."""
-        model = self.model
-        device = next(model.parameters()).device
-        config = self._config(repetition_penalty=s.repetition_penalty, min_new_tokens=s.min_new_tokens,
-                              max_new_tokens=s.max_new_tokens)
-        prompt_ids, prompt_mask, _ = encode_prompts(self.tokenizer, messages, s.max_prompt_tokens, device)
-        prompt_len = prompt_ids.shape[1]
-        keys = [mix(seed, first_prompt + b, g) for b in range(len(messages)) for g in range(group_size)]
-        sampler = KeyedSampler(keys, prompt_len, s.temperature, s.top_p, s.top_k)
-        with inference_mode(model), merged_lora(model, self.merge_lora):  # no LoRA dropout while sampling
-            sequences, _, _ = generate(model, prompt_ids, prompt_mask, group_size, config, sampler)  # [N, L]
-        mask, ended = completion_mask(sequences, prompt_len, config.eos_token_id)
-        return decode_completions(self.tokenizer, sequences[:, prompt_len:], mask.sum(1), ended), int((~ended).sum())
-
     def continue_ids(self, contexts: list[list[int]], keys: list[int], s: Sampling, max_new_tokens: int,
-                     greedy: bool = False, group_size: int = 1) -> list[Reply]:
-        """Token-in/token-out (each turn of every training rollout): one reply to each context of exact
+                     greedy: bool = False, group_size: int = 1, logprobs: bool = True) -> list[Reply]:
+        """Token-in/token-out (each turn of every rollout and eval): one reply to each context of exact
         token ids, drawn with `s` and noise keyed by `keys` (greedy: argmax, keys unused). The sampler's raw logits give each
         reply token's log-prob where `sampler_logp` holds (the trainer's full forward matches them).
         group_size: consecutive runs of that many equal contexts (an episode's first turn) are
@@ -283,7 +255,7 @@ class HFEngine:
         sampler = None if greedy else KeyedSampler(keys, width, s.temperature, s.top_p, s.top_k)
         with inference_mode(model), merged_lora(model, self.merge_lora):
             sequences, logits, cache = generate(model, ids, mask, group_size, config, sampler,
-                                                with_logits=self.sampler_logp and not greedy, cache=cache)
+                                                with_logits=self.sampler_logp and logprobs and not greedy, cache=cache)
         cmask, ended = completion_mask(sequences, width, config.eos_token_id)
         logp, entropy = sampler_logprobs(logits, sequences, width) if logits is not None else (None, None)
         del logits
@@ -297,21 +269,3 @@ class HFEngine:
 
         return [Reply(sequences[i, width: width + n].tolist(), bool(ended[i]), of_reply(logp, i, n), of_reply(entropy, i, n))
                 for i, n in enumerate(lengths)]
-
-    @torch.no_grad()
-    def greedy(self, messages: list[list[dict[str, str]]], max_new_tokens: int) -> tuple[list[str], int]:
-        model = self.model
-        device = next(model.parameters()).device
-        config = self._config(repetition_penalty=1.0, min_new_tokens=0, max_new_tokens=max_new_tokens)
-        texts: list[str] = []
-        truncated = 0
-        with inference_mode(model):
-            for i in range(0, len(messages), self.eval_batch_size):
-                ids, mask, _ = encode_prompts(self.tokenizer, messages[i : i + self.eval_batch_size],
-                                              self.sampling.max_prompt_tokens, device)
-                with merged_lora(model, self.merge_lora):
-                    sequences, _, _ = generate(model, ids, mask, 1, config)
-                cmask, ended = completion_mask(sequences, ids.shape[1], config.eos_token_id)
-                texts += decode_completions(self.tokenizer, sequences[:, ids.shape[1] :], cmask.sum(1), ended)
-                truncated += int((~ended).sum())
-        return texts, truncated

@@ -4,10 +4,9 @@ under torchrun one engine per rank (vLLM's external launcher: tensor parallel 1 
     load(model, v)     a new policy version v: the policy's LoRA weights are written to a fresh adapter
                        directory and the next requests carry a LoRARequest named policy-v{v} with a new
                        id (the previous adapter is dropped); the version already loaded: nothing to do
-    continue_ids(...)  one request per context of token ids (a rollout's turn: rollout/episodes.py), each
-                       with its own seed mix(seed, global prompt, g[, turn]): a completion does not depend
-                       on which other requests share the batch
-    greedy / sample    eval, with the same adapter
+    continue_ids(...)  one request per context of token ids (a turn of a rollout or eval: rollout/episodes.py),
+                       each with its own seed mix(seed, global prompt, g[, turn]): a completion does not
+                       depend on which other requests share the batch
 
 Why LoRA and not merged weights (measured on an Intel Xeon, 2 cores, fp32, 16 × 24 tokens): vLLM's
 CPU backend packs every linear into a oneDNN handle and frees the plain weight after loading
@@ -33,8 +32,7 @@ import torch
 
 from llmrl.errors import ConfigError
 from llmrl.rollout.base import Reply, Sampling, scratch_dir, write_adapter
-from llmrl.rollout.keyed import mix
-from llmrl.rollout.prompts import encode_prompts, eos_ids
+from llmrl.rollout.prompts import eos_ids
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM's max_lora_rank accepts
 
@@ -169,14 +167,6 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------------- requests
 
-    def _run(self, messages: list[list[dict[str, str]]], n: int, params: list) -> list:
-        """The request outputs of the prompts (prompt-major, n per prompt), cut to max_prompt_tokens."""
-        ids, mask, _ = encode_prompts(self.tokenizer, messages, self.sampling.max_prompt_tokens, torch.device("cpu"))
-        prompts = [self._prompt(prompt_token_ids=row[m.bool()].tolist(), cache_salt=self.salt) for row, m in zip(ids, mask)]
-        requests = [p for p in prompts for _ in range(n)]
-        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.request)
-        return [o.outputs[0] for o in outputs]
-
     def _sampling_params(self, s: Sampling, keys: list[int], logprobs: bool) -> list:
         return [self._params(n=1, seed=seed_of(k), temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or -1,
                              repetition_penalty=s.repetition_penalty, min_tokens=s.min_new_tokens,
@@ -184,25 +174,20 @@ class VLLMEngine:
                              skip_special_tokens=True)
                 for k in keys]
 
-    def sample(self, messages: list[list[dict[str, str]]], *, k: int, seed: int, first_prompt: int,
-               sampling: Sampling) -> tuple[list[str], int]:
-        keys = [mix(seed, first_prompt + b, g) for b in range(len(messages)) for g in range(k)]
-        return texts_of(self._run(messages, k, self._sampling_params(sampling, keys, logprobs=False)), self.tokenizer, self.eos)
-
     def episodes(self):
         """Nothing kept by llmrl between an episode's turns: each turn sends its whole context, and vLLM's prefix
         cache (vllm_prefix_caching, salted per adapter version) serves the blocks the turn before computed."""
         return contextlib.nullcontext()
 
     def continue_ids(self, contexts: list[list[int]], keys: list[int], s: Sampling, max_new_tokens: int,
-                     greedy: bool = False, group_size: int = 1) -> list[Reply]:
-        """Token-in/token-out (each turn of every training rollout): one request per context of exact token ids, seeded by its key;
+                     greedy: bool = False, group_size: int = 1, logprobs: bool = True) -> list[Reply]:
+        """Token-in/token-out (each turn of every rollout and eval): one request per context of exact token ids, seeded by its key;
         vLLM's raw log-prob of each reply token comes back with it."""
         if greedy:
             params = [self._params(n=1, temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=self.eos,
-                                   skip_special_tokens=True, logprobs=0)] * len(contexts)
+                                   skip_special_tokens=True, logprobs=0 if logprobs else None)] * len(contexts)
         else:
-            params = self._sampling_params(dataclasses.replace(s, max_new_tokens=max_new_tokens), keys, logprobs=True)
+            params = self._sampling_params(dataclasses.replace(s, max_new_tokens=max_new_tokens), keys, logprobs=logprobs)
         prompts = [self._prompt(prompt_token_ids=list(c), cache_salt=self.salt) for c in contexts]
         outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.request)
         replies = []
@@ -210,14 +195,9 @@ class VLLMEngine:
             ids = list(o.token_ids)
             end = next((j for j, t in enumerate(ids) if t in self.eos), None)  # up to and including the first EOS
             ids = ids if end is None else ids[: end + 1]
-            replies.append(Reply(ids, end is not None, [step[t].logprob for step, t in zip(o.logprobs, ids)]))
+            logp = [step[t].logprob for step, t in zip(o.logprobs, ids)] if logprobs else None
+            replies.append(Reply(ids, end is not None, logp))
         return replies
-
-    def greedy(self, messages: list[list[dict[str, str]]], max_new_tokens: int) -> tuple[list[str], int]:
-        params = self._params(n=1, temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=self.eos,
-                              skip_special_tokens=True)
-        return texts_of(self._run(messages, 1, [params] * len(messages)), self.tokenizer, self.eos)
-
 
 def kv_cache_bytes(model_path: str, sequences: int, max_len: int, dtype: torch.dtype) -> int:
     """Bytes of KV cache for `sequences` sequences of `max_len` tokens of the model at `model_path`
@@ -229,14 +209,3 @@ def kv_cache_bytes(model_path: str, sequences: int, max_len: int, dtype: torch.d
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     per_token = 2 * c.num_hidden_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
     return max(64 << 20, sequences * (max_len + 16) * per_token)
-
-
-def texts_of(outs: list, tokenizer, eos: list[int]) -> tuple[list[str], int]:
-    """vLLM completions as (texts without their EOS, how many were cut at max_tokens: no EOS)."""
-    texts, cut = [], 0
-    for o in outs:
-        ids = list(o.token_ids)
-        end = next((j for j, t in enumerate(ids) if t in eos), None)
-        cut += end is None
-        texts.append(tokenizer.decode(ids if end is None else ids[:end], skip_special_tokens=True))
-    return texts, cut

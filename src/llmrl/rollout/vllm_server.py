@@ -46,8 +46,7 @@ from pathlib import Path
 
 from llmrl.errors import ConfigError, EngineDied
 from llmrl.rollout.base import Reply, Sampling, scratch_dir, write_adapter
-from llmrl.rollout.keyed import mix
-from llmrl.rollout.prompts import encode_prompts, eos_ids
+from llmrl.rollout.prompts import eos_ids
 from llmrl.rollout.vllm_engine import LORA_RANKS, seed_of
 
 KEY_ENV = "LLMRL_API_KEY"  # the key of a server at --server_url, or the one `llmrl serve` starts with
@@ -426,26 +425,8 @@ class VLLMServerEngine:
         return list(self._pool.map(one, bodies))
 
     def continue_ids(self, contexts: list[list[int]], keys: list[int], s: Sampling, max_new_tokens: int,
-                     greedy: bool = False, group_size: int = 1) -> list[Reply]:
+                     greedy: bool = False, group_size: int = 1, logprobs: bool = True) -> list[Reply]:
         """Token-in/token-out: one request per context of exact token ids, seeded by its key, at the
         loaded version; the server's raw log-prob of each reply token comes back with it."""
-        return self._complete([self._body(list(c), None if greedy else s, k, max_new_tokens, logprobs=True)
+        return self._complete([self._body(list(c), None if greedy else s, k, max_new_tokens, logprobs=logprobs)
                                for c, k in zip(contexts, keys)])
-
-    def _prompts(self, messages: list[list[dict[str, str]]]) -> list[list[int]]:
-        ids, mask, _ = encode_prompts(self.tokenizer, messages, self.sampling.max_prompt_tokens, "cpu")
-        return [row[m.bool()].tolist() for row, m in zip(ids, mask)]
-
-    def greedy(self, messages: list[list[dict[str, str]]], max_new_tokens: int) -> tuple[list[str], int]:
-        replies = self._complete([self._body(p, None, None, max_new_tokens, logprobs=False) for p in self._prompts(messages)])
-        return self._texts(replies)
-
-    def sample(self, messages: list[list[dict[str, str]]], *, k: int, seed: int, first_prompt: int,
-               sampling: Sampling) -> tuple[list[str], int]:
-        bodies = [self._body(p, sampling, mix(seed, first_prompt + b, g), sampling.max_new_tokens, logprobs=False)
-                  for b, p in enumerate(self._prompts(messages)) for g in range(k)]
-        return self._texts(self._complete(bodies))
-
-    def _texts(self, replies: list[Reply]) -> tuple[list[str], int]:
-        texts = [self.tokenizer.decode(r.ids[: len(r.ids) - int(r.ended)], skip_special_tokens=True) for r in replies]
-        return texts, sum(not r.ended for r in replies)

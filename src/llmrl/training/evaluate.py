@@ -1,5 +1,6 @@
-"""Evaluation on a task's eval examples, through the run's rollout engine: greedy (one completion per
-prompt), or sampled (eval_samples_per_prompt = k > 1) with pass@k and maj@k."""
+"""Evaluation on a task's eval examples, played as episodes by the run's rollout engine (the rows a
+training step would make): greedy (one completion per prompt), or sampled (eval_samples_per_prompt = k > 1)
+with pass@k and maj@k."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from collections import Counter
 from typing import Any
 
 from llmrl.rollout.base import RolloutEngine, Sampling
+from llmrl.rollout.episodes import EpisodeRunner
 from llmrl.rollout.keyed import mix
-from llmrl.tasks import Example, Task
+from llmrl.tasks import Example, Task, is_environment
 from llmrl.tasks.base import Judgement, Reward
 from llmrl.tasks.score import score, score_episodes
 from llmrl.training.distributed import Dist
@@ -67,31 +69,30 @@ def sampled_metrics(judged: list[Judgement], k: int, majority: bool = True) -> d
     return out
 
 
-def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], *, max_new_tokens: int,
-             dist: Dist | None = None, samples_per_prompt: int = 1, sampling: Sampling | None = None,
-             seed: int = 0, episodes=None) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """Decode every example (greedy, or samples_per_prompt = k completions each with `sampling`);
-    return (metrics named eval/…, one sample row per completion). With several ranks, each decodes a
-    contiguous shard and the texts are gathered. Rewards go through the same scoring as training: one
-    that raises scores 0 and is counted in eval/reward_errors. With k > 1 the task's metrics are means
-    over all k·n completions, plus pass@j and maj@k. An environment (`episodes`, its EpisodeRunner)
-    plays whole episodes instead: greedy, or k sampled ones per example."""
+def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], *, episodes: EpisodeRunner, batch: int,
+             dist: Dist | None = None, samples_per_prompt: int = 1, sampling: Sampling, seed: int = 0
+             ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Play every example through `episodes` (rollout/episodes.py, the row builder a training step uses;
+    a single-turn task's episodes have one turn), `batch` examples per engine call: greedy, or
+    samples_per_prompt = k sampled episodes each with `sampling` (noise keyed by the run seed, EVAL_NOISE,
+    prompt index and sample index: the same every eval). Returns (metrics named eval/…, one sample row
+    per completion). With several ranks, each plays a contiguous shard and the results are gathered.
+    Rewards go through the same scoring as training: one that raises scores 0 and is counted in
+    eval/reward_errors. With k > 1 the task's metrics are means over all k·n completions, plus pass@j
+    and maj@k."""
     dist = dist or Dist()
     k = samples_per_prompt
     per_rank = -(-len(examples) // dist.world)
     first = dist.rank * per_rank
     mine = examples[first : first + per_rank]
-    if episodes is not None:
-        return evaluate_episodes(engine, task, examples, mine, first, dist, k, sampling, seed, episodes)
-    if not mine:
-        texts, truncated = [], 0
-    elif k == 1:
-        texts, truncated = engine.greedy([ex.messages for ex in mine], max_new_tokens)
-    else:
-        texts, truncated = engine.sample([ex.messages for ex in mine], k=k, seed=mix(seed, EVAL_NOISE),
-                                         first_prompt=first, sampling=sampling)
-    gathered = dist.gather((texts, truncated))
-    texts, truncated = [t for part, _ in gathered for t in part], sum(n for _, n in gathered)
+    played = []
+    for i in range(0, len(mine), batch):
+        played += episodes(engine, mine[i : i + batch], group_size=k, seed=mix(seed, EVAL_NOISE), first_prompt=first + i,
+                           sampling=sampling, greedy=k == 1, logprobs=False)[1]
+    if is_environment(task):
+        return environment_metrics(task, [ep for part in dist.gather(played) for ep in part], k)
+    gathered = dist.gather([(ep.last_reply, ep.truncated) for ep in played])
+    texts, truncated = [t for part in gathered for t, _ in part], sum(cut for part in gathered for _, cut in part)
     owners = [ex for ex in examples for _ in range(k)]  # prompt-major, like the completions
     scores = score(task, owners, texts, strict=False, where="eval")
     metrics = common_metrics(lambda: task.evaluate(owners, texts), "task", scores, truncated)
@@ -119,15 +120,9 @@ def common_metrics(task_metrics, what: str, scores, truncated: int) -> dict[str,
                       "eval/truncated_frac": truncated / n}
 
 
-def evaluate_episodes(engine, env, examples: list[Example], mine: list[Example], first: int, dist: Dist, k: int,
-                      sampling: Sampling | None, seed: int, episodes) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """`evaluate` for an environment: greedy episodes (k = 1) or k sampled ones per example, scored by
-    env.reward; pass@j from env.correct when it says."""
-    played = []
-    if mine:
-        _, played = episodes(engine, mine, group_size=k, seed=mix(seed, EVAL_NOISE), first_prompt=first,
-                             sampling=sampling, greedy=k == 1)
-    played = [ep for part in dist.gather(played) for ep in part]
+def environment_metrics(env, played: list, k: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """`evaluate`'s metrics and rows for an environment's episodes (k per example): scored by env.reward;
+    pass@j from env.correct when it says."""
     scores = score_episodes(env, played, strict=False, where="eval")
     metrics = common_metrics(lambda: env.evaluate(played), "environment", scores, sum(ep.truncated for ep in played))
     n = max(len(played), 1)

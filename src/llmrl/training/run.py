@@ -397,17 +397,16 @@ def eval_policy(cfg: TrainConfig, model, tokenizer, task: Task, engine: RolloutE
     max_new = eval_max_new_tokens(cfg, task)
     sampling = Sampling(temperature=cfg.eval_temperature, top_p=cfg.eval_top_p, top_k=0, repetition_penalty=1.0,
                         min_new_tokens=0, max_new_tokens=max_new, max_prompt_tokens=cfg.max_prompt_tokens)
-    if not is_environment(task):  # single-turn eval: engine.greedy / engine.sample, eval_batch_size prompts at a time
-        episodes = None
-    elif episodes is None:
-        episodes = environment_runner(cfg, task, model, tokenizer)
-    engine = engine or make_engine(cfg, plan or resolve(cfg), tokenizer, episodes.limits if episodes is not None else None)
+    episodes = episodes or environment_runner(cfg, task, model, tokenizer)
+    engine = engine or make_engine(cfg, plan or resolve(cfg), tokenizer, episodes.limits)
     engine.load(model, version)
-    if episodes is not None:  # eval replies get eval's token cap
-        episodes = dataclasses.replace(episodes, limits=dataclasses.replace(episodes.limits, reply_tokens=max_new))
-    metrics, rows = evaluate(engine, task, task.eval_examples(eval_count(cfg, task)), max_new_tokens=max_new, dist=dist,
-                             samples_per_prompt=cfg.eval_samples_per_prompt, sampling=sampling, seed=cfg.seed,
-                             episodes=episodes)
+    # eval replies get eval's token cap (a single-turn task's episode is its one reply)
+    one_turn = not is_environment(task)
+    limits = dataclasses.replace(episodes.limits, reply_tokens=max_new,
+                                 episode_tokens=max_new if one_turn else episodes.limits.episode_tokens)
+    metrics, rows = evaluate(engine, task, task.eval_examples(eval_count(cfg, task)),
+                             episodes=dataclasses.replace(episodes, limits=limits), batch=cfg.eval_batch_size,
+                             dist=dist, samples_per_prompt=cfg.eval_samples_per_prompt, sampling=sampling, seed=cfg.seed)
     return plain(metrics), plain(rows)  # a custom task's evaluate() and answers may hold NumPy/torch numbers
 
 
