@@ -305,6 +305,11 @@ class EpisodeRunner:
                             first_prompt=first_prompt, sampling=sampling, limits=self.limits, eos=self.eos,
                             greedy=greedy, device=self.device, steps=self.steps, logprobs=logprobs)
 
+    @property
+    def single_turn(self) -> bool:
+        """A single-turn task's runner (`OneTurn`: one reply, scored on its text), not an environment's."""
+        return isinstance(self.env, OneTurn)
+
     def abandoned(self) -> int:
         """The step workers' gauge for the step's rollout/ metrics: abandoned steps still running (threads)."""
         return self.steps.abandoned if self.steps is not None else 0
@@ -314,7 +319,8 @@ def episode_runner(cfg, env, tokenizer, eos: list[int], device: torch.device | s
     """The runner of a config's environment (a single-turn task: `OneTurn(task)`, one reply of at most
     max_new_tokens), with its step workers (env_isolation, env_workers; the pool's processes start at the
     first step); checks the chat template first for more than one turn (one ConfigError line)."""
-    if isinstance(env, OneTurn):
+    single = isinstance(env, OneTurn)
+    if single:
         turns, budget = 1, cfg.max_new_tokens
     else:
         turns = cfg.max_turns or env.max_turns
@@ -325,7 +331,7 @@ def episode_runner(cfg, env, tokenizer, eos: list[int], device: torch.device | s
         end_text = tokenizer.decode([end_of_turn(tokenizer, eos or [tokenizer.eos_token_id])])
         check_template(tokenizer, end_text)
         limits.framing = message_overhead(tokenizer, end_text) + len(text_ids(tokenizer, TRUNCATED))
-    steps = None if isinstance(env, OneTurn) else env_steps(cfg.env_isolation, env, cfg.env_workers)
+    steps = None if single else env_steps(cfg.env_isolation, env, cfg.env_workers)
     return EpisodeRunner(env, tokenizer, limits, eos, device, steps)
 
 

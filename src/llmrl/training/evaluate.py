@@ -12,7 +12,7 @@ from typing import Any
 from llmrl.rollout.base import RolloutEngine, Sampling
 from llmrl.rollout.episodes import EpisodeRunner
 from llmrl.rollout.keyed import mix
-from llmrl.tasks import Example, Task, is_environment
+from llmrl.tasks import Example, Task
 from llmrl.tasks.base import Judgement, Reward
 from llmrl.tasks.score import score, score_episodes
 from llmrl.training.distributed import Dist
@@ -89,7 +89,7 @@ def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], *, epis
     for i in range(0, len(mine), batch):
         played += episodes(engine, mine[i : i + batch], group_size=k, seed=mix(seed, EVAL_NOISE), first_prompt=first + i,
                            sampling=sampling, greedy=k == 1, logprobs=False)[1]
-    if is_environment(task):
+    if not episodes.single_turn:
         return environment_metrics(task, [ep for part in dist.gather(played) for ep in part], k)
     gathered = dist.gather([(ep.last_reply, ep.truncated) for ep in played])
     texts, truncated = [t for part in gathered for t, _ in part], sum(cut for part in gathered for _, cut in part)

@@ -114,34 +114,17 @@ def stop_with_checkpoint(run: Run, reason: str) -> RunStopped:
 
 def loop(run: Run) -> TrainResult:
     """Steps run.start..steps: train_step, log, eval, save."""
-    cfg, eval_on = run.cfg, run.eval_n > 0
-    last: dict[str, Any] = {}
-    path = None
+    cfg, last, path = run.cfg, {}, None
     bar = tqdm(range(run.start, cfg.steps + 1), initial=run.start - 1, total=cfg.steps, disable=not run.dist.is_main,
                desc="train")
     with StopOnSignal() as stop:
         for step in bar:
-            result = train_step(run, step)
-            last = result.metrics
-            warnings = run.health.check(cfg, last)
-            for text in warnings:
-                if run.dist.is_main:
-                    tqdm.write(f"llmrl: warning: step {step}: {text}", file=sys.stderr)
-            run.logger.log(step, last | ({"warnings": warnings} if warnings else {}))
-            run.logger.log_samples(step, result.samples)
-            bar.set_postfix(reward=f"{last['reward/mean']:.3f}", kl=f"{last['train/kl']:.4f}", loss=f"{last['train/loss']:.4f}")
-
+            result = train_step(run, step)  # sample, reward, advantages, update
+            last, warnings = result.metrics, log_step(run, step, result, bar)  # metrics.jsonl, samples.jsonl
             final = step == cfg.steps
             stopping = run.dist.any(stop.signal is not None)  # a signal on any rank stops every rank after this step
-            if warnings and cfg.strict_health:
-                path = save(run, step)
-                raise RunStopped(f"step {step}: stopped by --strict_health ({warnings[0].split(':')[0]}); "
-                                 f"checkpoint {path}")
-            if run.totals.bad_in_a_row >= cfg.max_bad_steps:
-                path = save(run, step)
-                raise RunStopped(f"step {step}: {run.totals.bad_in_a_row} non-finite updates in a row (max_bad_steps="
-                                 f"{cfg.max_bad_steps}); parameters are the last good ones, saved in {path}")
-            if eval_on and (final or (cfg.eval_interval and step % cfg.eval_interval == 0)) and not logs_failed(run):
+            stop_if_unhealthy(run, step, warnings)
+            if run.eval_n > 0 and (final or (cfg.eval_interval and step % cfg.eval_interval == 0)) and not logs_failed(run):
                 run.rollouts.settle()  # eval loads version `step`: not while the next step's draw is in flight
                 last |= evaluate_and_log(run, step)
             if logs_failed(run):
@@ -159,3 +142,29 @@ def loop(run: Run) -> TrainResult:
         print(f"llmrl: adapter: {path} (load it with PeftModel.from_pretrained, or `llmrl export {run.dir}`)",
               file=sys.stderr)
     return TrainResult(model=run.model, tokenizer=run.tokenizer, run_dir=run.dir, last_metrics=last, adapter=path)
+
+
+def log_step(run: Run, step: int, result, bar) -> list[str]:
+    """Write the step's metrics record (with the health check's warnings, also printed) and its samples;
+    returns the warnings."""
+    record = result.metrics
+    warnings = run.health.check(run.cfg, record)
+    for text in warnings:
+        if run.dist.is_main:
+            tqdm.write(f"llmrl: warning: step {step}: {text}", file=sys.stderr)
+    run.logger.log(step, record | ({"warnings": warnings} if warnings else {}))
+    run.logger.log_samples(step, result.samples)
+    bar.set_postfix(reward=f"{record['reward/mean']:.3f}", kl=f"{record['train/kl']:.4f}", loss=f"{record['train/loss']:.4f}")
+    return warnings
+
+
+def stop_if_unhealthy(run: Run, step: int, warnings: list[str]) -> None:
+    """A health warning under --strict_health, or max_bad_steps non-finite updates in a row: save, then stop in
+    one line."""
+    if warnings and run.cfg.strict_health:
+        path = save(run, step)
+        raise RunStopped(f"step {step}: stopped by --strict_health ({warnings[0].split(':')[0]}); checkpoint {path}")
+    if run.totals.bad_in_a_row >= run.cfg.max_bad_steps:
+        path = save(run, step)
+        raise RunStopped(f"step {step}: {run.totals.bad_in_a_row} non-finite updates in a row (max_bad_steps="
+                         f"{run.cfg.max_bad_steps}); parameters are the last good ones, saved in {path}")

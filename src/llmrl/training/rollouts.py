@@ -19,7 +19,7 @@ from llmrl.errors import RunStopped
 from llmrl.rollout import Rollout
 from llmrl.rollout.prompts import prompt_length
 from llmrl.tasks import Example
-from llmrl.tasks.env import Episode, is_environment
+from llmrl.tasks.env import Episode
 from llmrl.training import hooks
 
 
@@ -67,7 +67,7 @@ def draw(run, step: int, version: int, rounds: int = 0, need: int | None = None)
                                  sampling=run.engine.sampling)
     run.engine.release()  # vLLM on CUDA sleeps now: the old/ref forwards get its memory (load wakes it)
     out.version = torch.full((out.input_ids.shape[0],), version, dtype=torch.long, device=out.input_ids.device)
-    return Drawn(examples, skipped, out, episodes if is_environment(run.task) else None, time.perf_counter() - t0)
+    return Drawn(examples, skipped, out, None if run.episodes.single_turn else episodes, time.perf_counter() - t0)
 
 
 class RolloutSource:

@@ -401,9 +401,8 @@ def eval_policy(cfg: TrainConfig, model, tokenizer, task: Task, engine: RolloutE
     engine = engine or make_engine(cfg, plan or resolve(cfg), tokenizer, episodes.limits)
     engine.load(model, version)
     # eval replies get eval's token cap (a single-turn task's episode is its one reply)
-    one_turn = not is_environment(task)
     limits = dataclasses.replace(episodes.limits, reply_tokens=max_new,
-                                 episode_tokens=max_new if one_turn else episodes.limits.episode_tokens)
+                                 episode_tokens=max_new if episodes.single_turn else episodes.limits.episode_tokens)
     metrics, rows = evaluate(engine, task, task.eval_examples(eval_count(cfg, task)),
                              episodes=dataclasses.replace(episodes, limits=limits), batch=cfg.eval_batch_size,
                              dist=dist, samples_per_prompt=cfg.eval_samples_per_prompt, sampling=sampling, seed=cfg.seed)
