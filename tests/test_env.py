@@ -871,4 +871,5 @@ def test_examples_without_messages_whose_reset_builds_them_train_and_log(tmp_pat
                    max_prompt_tokens=128, eval_interval=1, eval_n=2))
     evals = read_jsonl(out / "eval_samples.jsonl")
     assert evals and evals[0]["prompt"] == "Game 100: say a word."
-    assert read_jsonl(out / "samples.jsonl")
+    samples = read_jsonl(out / "samples.jsonl")
+    assert samples and all(s["prompt"] == f"Game {s['answer']}: say a word." for s in samples)

@@ -32,6 +32,8 @@ def doc(default: Any, help: str, **kw: Any) -> Any:
     """A dataclass field with its one-line documentation (shown by --help)."""
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
 
 
@@ -40,6 +42,8 @@ class TrainConfig:
     # what to train
     model: str = doc("Qwen/Qwen2.5-Math-1.5B-Instruct", "hub id, local HF directory, .gguf file, or alias smollm2-135m-instruct")
     task: str = doc("format_copy", "task: format_copy, math_hard, a registered reward, or module:Name / file.py:Name (class or reward function)")
+    task_args: dict[str, Any] = doc({}, "keyword arguments for the task's or environment's constructor (YAML mapping; "
+                                        "on the command line a JSON object)")
     prompts: str | None = doc(None, "JSONL prompts ({\"prompt\": ..., other fields → meta}) for a reward-function task")
     algo: str = doc("grpo", "algorithm (loss) name: grpo or reinforce")
     math_data: str | None = doc(None, "local MATH JSONL/Parquet file or directory (default: the hub dataset)")
@@ -174,7 +178,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 # --help sections, in order; every field is in exactly one (tests/test_config.py checks it).
 SECTIONS: dict[str, tuple[str, ...]] = {
-    "task and data": ("model", "task", "prompts", "math_data", "math_reward", "grade_time_limit", "grade_workers",
+    "task and data": ("model", "task", "task_args", "prompts", "math_data", "math_reward", "grade_time_limit", "grade_workers",
                       "long_prompts"),
     "run": ("steps", "seed", "output_dir", "device", "dtype", "rollout_engine", "server_url", "api_key_file", "max_staleness", "vllm_memory",
             "vllm_sleep", "vllm_prefix_caching", "old_logprobs", "mismatch_correction", "mismatch_cap"),
@@ -347,6 +351,8 @@ def convert(name: str, value: Any) -> Any:
             return None
         raise ConfigError(f"{name}: a value is required")
     tp = _base_type(hint)
+    if tp is dict:
+        return json_mapping(name, value)
     try:
         if tp is bool:
             if isinstance(value, bool):
@@ -367,6 +373,18 @@ def convert(name: str, value: Any) -> Any:
         return str(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{name}: expected {tp.__name__}, got {value!r}") from None
+
+
+def json_mapping(name: str, value: Any) -> dict[str, Any]:
+    """A mapping from YAML, or from a JSON object on the command line, with text keys; else ConfigError."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ConfigError(f"{name}: expected a JSON object, got {value!r}: {e}") from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ConfigError(f"{name}: expected a mapping of names to values, got {value!r}"[:300])
+    return dict(value)
 
 
 def validate(cfg: TrainConfig) -> None:

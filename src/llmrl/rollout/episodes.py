@@ -26,11 +26,12 @@ import torch
 
 from llmrl.batch import EpisodeCounts
 from llmrl.errors import ConfigError
+from llmrl.rng import kept_rng_state
 from llmrl.rollout.base import Rollout, Sampling
 from llmrl.rollout.keyed import mix
 from llmrl.rollout.prompts import render, template_ids, text_ids
 from llmrl.tasks.base import Example
-from llmrl.tasks.env import Episode, OneTurn, Turn, checked_messages
+from llmrl.tasks.env import Episode, OneTurn, Turn, checked_messages, finish_episodes
 from llmrl.tasks.workers import TIMEOUT, ProcessSteps, ThreadSteps, env_steps, error_text
 
 PLACEHOLDER = "LLMRL-REPLY-7f3a"  # a reply text no template rewrites
@@ -155,96 +156,106 @@ def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size:
                                 first_prompt=first_prompt, sampling=sampling, limits=limits, eos=eos, greedy=greedy,
                                 device=device, steps=own, logprobs=logprobs)
     episodes, contexts, prompts, tails = [], [], [], []
-    truncated = 0
-    for b, ex in enumerate(examples):
-        error = None
-        if one_turn:
-            first = env.reset(ex)
-        else:
-            try:
-                first = checked_messages(env.reset(ex), "reset")
-            except Exception as e:  # noqa: BLE001 - a user's environment may raise anything
-                # the episodes end before their first reply; their rows still need a prompt
-                first, error = [{"role": "user", "content": ""}], error_text(e)
-        ids = render(tokenizer, first)
-        truncated += len(ids) > sampling.max_prompt_tokens
-        ids = ids[-sampling.max_prompt_tokens:]
-        for _ in range(group_size):
-            ep = Episode(example=ex, messages=list(first), first=len(first))
-            if error is None:
-                try:
-                    env.start(ep)
-                except Exception as e:  # noqa: BLE001
-                    ep.cut, ep.error = "env_error", error_text(e)
+    try:
+        truncated = 0
+        for b, ex in enumerate(examples):
+            error = None
+            if one_turn:
+                first = env.reset(ex)
             else:
-                ep.cut, ep.error = "env_error", error
-            episodes.append(ep)
-            prompts.append(ids)
-            contexts.append(list(ids))
-            tails.append([])  # (token ids, sampled?, engine log-probs, engine entropies (or None)) segments
-    keys = [mix(seed, first_prompt + b, g) for b in range(len(examples)) for g in range(group_size)]
-    spent = [0] * len(episodes)
-    overhead = 0 if one_turn or limits.max_turns == 1 else message_overhead(tokenizer, end_text)
-    # hf: each episode's KV cache carries over to its next turn (one turn: nothing to carry)
-    with engine.episodes() if limits.max_turns > 1 else contextlib.nullcontext():
-        for turn in range(limits.max_turns):
-            live = [i for i, ep in enumerate(episodes) if not ep.done and ep.cut is None]
-            if not live:
-                break
-            budgets = [min(limits.reply_tokens, limits.episode_tokens - spent[i]) for i in live]
-            turn_keys = [keys[i] if turn == 0 else mix(keys[i], turn) for i in live]
-            # turn 0: a group shares its prompt (unless the environment's start failed for part of one)
-            shared = turn == 0 and len(live) == group_size * len({i // group_size for i in live})
-            replies = engine.continue_ids([contexts[i] for i in live], turn_keys, sampling, max(budgets), greedy=greedy,
-                                          group_size=group_size if shared else 1, logprobs=logprobs)
-            stepping = []  # the episodes whose reply ended: the environment answers each
-            for i, budget, reply in zip(live, budgets, replies):
-                ep = episodes[i]
-                ids, ended = reply.ids[:budget], reply.ended and len(reply.ids) <= budget
-                tails[i].append((ids, True, *(None if x is None else x[: len(ids)] for x in (reply.logp, reply.entropy))))
-                contexts[i] += ids
-                spent[i] += len(ids)
-                text = tokenizer.decode(ids[: len(ids) - int(ended)], skip_special_tokens=True)
-                ep.messages.append({"role": "assistant", "content": text})
-                ep.replies += 1
-                if not ended:
-                    ep.cut = "reply_tokens" if spent[i] < limits.episode_tokens else "episode_tokens"
-                    ep.truncated = True
-                    continue
-                stepping.append((i, text, turn_end is not None and ids[-1] != turn_end))
-            # a single-turn task has no step to run; an environment's steps of this turn run at once
-            outs = ([Turn(None)] * len(stepping) if one_turn else
-                    steps.run([(episodes[i], text) for i, text, _ in stepping], limits.env_timeout))
-            for (i, _, other_eos), out in zip(stepping, outs):
-                ep = episodes[i]
-                if isinstance(out, str):  # it raised, overran or returned something that is not a Turn
-                    ep.cut, ep.error = "env_error", out
-                    continue
-                for name, v in out.parts.items():
-                    ep.parts[name] = ep.parts.get(name, 0.0) + v
-                ep.tool_calls += out.tool_calls
-                ep.tool_errors += out.tool_errors
-                if out.messages is None or other_eos:  # the environment ended it, or the reply's EOS id did
-                    ep.done = ep.cut is None
-                    continue
-                if spent[i] >= limits.episode_tokens:
-                    ep.cut = "episode_tokens"
-                    continue
-                if turn + 1 == limits.max_turns:
-                    ep.cut = "max_turns"
-                    continue
-                new, cut = capped_turn(tokenizer, out.messages, limits.env_tokens, overhead)
-                ep.env_truncated += cut
-                # the history before this reply: delta_text renders it with a placeholder reply
-                delta = delta_ids(tokenizer, ep.messages[:-1], new, end_text)
-                tails[i].append((delta, False, None, None))
-                contexts[i] += delta
-                ep.env_tokens += len(delta)
-                ep.messages += new
-    rows = to_rows(prompts, tails, episodes, tokenizer.pad_token_id, truncated, device)
-    if engine.sampler_logp:  # hf: the sampler's fp32 logits are the policy's (no second forward)
-        rows.logp_old, rows.engine_logp = rows.engine_logp, None
-    return rows, episodes
+                try:
+                    with kept_rng_state():  # a library that reseeds the global RNGs cannot move the trainer's
+                        first = checked_messages(env.reset(ex), "reset")
+                except Exception as e:  # noqa: BLE001 - a user's environment may raise anything
+                    # the episodes end before their first reply; their rows still need a prompt
+                    first, error = [{"role": "user", "content": ""}], error_text(e)
+            ids = render(tokenizer, first)
+            truncated += len(ids) > sampling.max_prompt_tokens
+            ids = ids[-sampling.max_prompt_tokens:]
+            for _ in range(group_size):
+                ep = Episode(example=ex, messages=list(first), first=len(first))
+                if error is None:
+                    try:
+                        with kept_rng_state():
+                            env.start(ep)
+                    except Exception as e:  # noqa: BLE001
+                        ep.cut, ep.error = "env_error", error_text(e)
+                else:
+                    ep.cut, ep.error = "env_error", error
+                episodes.append(ep)
+                prompts.append(ids)
+                contexts.append(list(ids))
+                tails.append([])  # (token ids, sampled?, engine log-probs, engine entropies (or None)) segments
+        keys = [mix(seed, first_prompt + b, g) for b in range(len(examples)) for g in range(group_size)]
+        spent = [0] * len(episodes)
+        overhead = 0 if one_turn or limits.max_turns == 1 else message_overhead(tokenizer, end_text)
+        # hf: each episode's KV cache carries over to its next turn (one turn: nothing to carry)
+        with engine.episodes() if limits.max_turns > 1 else contextlib.nullcontext():
+            for turn in range(limits.max_turns):
+                live = [i for i, ep in enumerate(episodes) if not ep.done and ep.cut is None]
+                if not live:
+                    break
+                budgets = [min(limits.reply_tokens, limits.episode_tokens - spent[i]) for i in live]
+                turn_keys = [keys[i] if turn == 0 else mix(keys[i], turn) for i in live]
+                # turn 0: a group shares its prompt (unless the environment's start failed for part of one)
+                shared = turn == 0 and len(live) == group_size * len({i // group_size for i in live})
+                replies = engine.continue_ids([contexts[i] for i in live], turn_keys, sampling, max(budgets), greedy=greedy,
+                                              group_size=group_size if shared else 1, logprobs=logprobs)
+                stepping = []  # the episodes whose reply ended: the environment answers each
+                for i, budget, reply in zip(live, budgets, replies):
+                    ep = episodes[i]
+                    ids, ended = reply.ids[:budget], reply.ended and len(reply.ids) <= budget
+                    tails[i].append((ids, True, *(None if x is None else x[: len(ids)] for x in (reply.logp, reply.entropy))))
+                    contexts[i] += ids
+                    spent[i] += len(ids)
+                    text = tokenizer.decode(ids[: len(ids) - int(ended)], skip_special_tokens=True)
+                    ep.messages.append({"role": "assistant", "content": text})
+                    ep.replies += 1
+                    if not ended:
+                        ep.cut = "reply_tokens" if spent[i] < limits.episode_tokens else "episode_tokens"
+                        ep.truncated = True
+                        continue
+                    stepping.append((i, text, turn_end is not None and ids[-1] != turn_end))
+                # a single-turn task has no step to run; an environment's steps of this turn run at once
+                if one_turn:
+                    outs = [Turn(None)] * len(stepping)
+                else:
+                    with kept_rng_state():  # steps on threads share the trainer's global RNGs
+                        outs = steps.run([(episodes[i], text) for i, text, _ in stepping], limits.env_timeout)
+                for (i, _, other_eos), out in zip(stepping, outs):
+                    ep = episodes[i]
+                    if isinstance(out, str):  # it raised, overran or returned something that is not a Turn
+                        ep.cut, ep.error = "env_error", out
+                        continue
+                    for name, v in out.parts.items():
+                        ep.parts[name] = ep.parts.get(name, 0.0) + v
+                    ep.tool_calls += out.tool_calls
+                    ep.tool_errors += out.tool_errors
+                    if out.messages is None or other_eos:  # the environment ended it, or the reply's EOS id did
+                        ep.done = ep.cut is None
+                        continue
+                    if spent[i] >= limits.episode_tokens:
+                        ep.cut = "episode_tokens"
+                        continue
+                    if turn + 1 == limits.max_turns:
+                        ep.cut = "max_turns"
+                        continue
+                    new, cut = capped_turn(tokenizer, out.messages, limits.env_tokens, overhead)
+                    ep.env_truncated += cut
+                    # the history before this reply: delta_text renders it with a placeholder reply
+                    delta = delta_ids(tokenizer, ep.messages[:-1], new, end_text)
+                    tails[i].append((delta, False, None, None))
+                    contexts[i] += delta
+                    ep.env_tokens += len(delta)
+                    ep.messages += new
+        rows = to_rows(prompts, tails, episodes, tokenizer.pad_token_id, truncated, device)
+        if engine.sampler_logp:  # hf: the sampler's fp32 logits are the policy's (no second forward)
+            rows.logp_old, rows.engine_logp = rows.engine_logp, None
+        return rows, episodes
+    except BaseException:  # the engine or the step workers failed: the episodes begun still end
+        if not one_turn:
+            finish_episodes(env, episodes, "a rollout that failed")
+        raise
 
 
 Segment = tuple[list[int], bool, list[float] | None, list[float] | None]  # ids, sampled?, engine log-probs, entropies

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from llmrl.errors import ConfigError
+from llmrl.rng import kept_rng_state
 from llmrl.rollout.base import Reply, Sampling, scratch_dir, write_adapter
 from llmrl.rollout.prompts import eos_ids
 
@@ -52,25 +53,6 @@ def temp_dir(path: Path):
         yield
     finally:
         tempfile.tempdir = before
-
-
-@contextlib.contextmanager
-def kept_rng_state():
-    """Restore Python's, NumPy's and torch's global RNG states (CPU and CUDA) on exit."""
-    import random
-
-    import numpy as np
-
-    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    try:
-        yield
-    finally:
-        random.setstate(states[0])
-        np.random.set_state(states[1])
-        torch.set_rng_state(states[2])
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
 
 
 def import_vllm():

@@ -5,11 +5,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from llmrl.errors import UserError
 from llmrl.tasks.base import Example, Reward, Task
 from llmrl.tasks.calculator import CalculatorEnv
-from llmrl.tasks.custom import REWARD_FUNCTIONS, FunctionTask, build_custom, register_reward
+from llmrl.tasks.custom import REWARD_FUNCTIONS, FunctionTask, build_custom, construct, register_reward
 from llmrl.tasks.env import Environment, Episode, Turn, is_environment
 from llmrl.tasks.format_copy import FormatCopyTask
 from llmrl.tasks.guess import GuessEnv
@@ -36,20 +37,23 @@ def register_env(name: str, cls: type | None = None):
     return add(cls) if cls is not None else add
 
 
-def make_task(name: str, seed: int, math_data: str | None = None, prompts: str | None = None, **math_options) -> Task:
+def make_task(name: str, seed: int, math_data: str | None = None, prompts: str | None = None,
+              task_args: dict[str, Any] | None = None, **math_options) -> Task:
     """Build a task by name; its RNG is seeded from the run's seed. `math_options` (reward,
-    time_limit, workers) go to math_hard."""
+    time_limit, workers) go to math_hard; `task_args` to the task's constructor (a class task or
+    environment, built-in or the user's), as keywords beside `seed`."""
+    args = dict(task_args or {})
     if name == "math_hard":
-        return MathHardTask(seed=seed, data=math_data, **math_options)
+        return construct(name, MathHardTask, dict(seed=seed, data=math_data, **math_options) | args)
     if name in TASKS:
-        return TASKS[name](seed=seed)
-    return build_custom(name, seed, prompts)
+        return construct(name, TASKS[name], dict(seed=seed) | args)
+    return build_custom(name, seed, prompts, args)
 
 
 def task_from_config(cfg) -> Task:
     """The task a TrainConfig asks for, seeded by cfg.seed (every rank draws the same prompts)."""
-    return make_task(cfg.task, seed=cfg.seed, math_data=cfg.math_data, prompts=cfg.prompts, reward=cfg.math_reward,
-                     time_limit=cfg.grade_time_limit, workers=cfg.grade_workers)
+    return make_task(cfg.task, seed=cfg.seed, math_data=cfg.math_data, prompts=cfg.prompts, task_args=cfg.task_args,
+                     reward=cfg.math_reward, time_limit=cfg.grade_time_limit, workers=cfg.grade_workers)
 
 
 def is_task_name(name: str) -> bool:

@@ -13,6 +13,7 @@ Training samples prompts with the run's seed; eval uses the first eval_n prompts
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -37,10 +38,17 @@ def load_object(spec: str) -> Any:
             path = Path(where)
             if not path.is_file():
                 raise ConfigError(f"task={spec!r}: no such file: {where}")
-            module_spec = importlib.util.spec_from_file_location(path.stem, path)
-            module = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
-            sys.modules.setdefault(path.stem, module)
-            module_spec.loader.exec_module(module)  # type: ignore[union-attr]
+            name = file_module_name(path)
+            module = sys.modules.get(name)
+            if module is None:
+                module_spec = importlib.util.spec_from_file_location(name, path)
+                module = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
+                sys.modules[name] = module  # its classes pickle by this name (env_isolation=process)
+                try:
+                    module_spec.loader.exec_module(module)  # type: ignore[union-attr]
+                except BaseException:
+                    del sys.modules[name]
+                    raise
         else:
             module = importlib.import_module(where)
     except ConfigError:
@@ -50,6 +58,25 @@ def load_object(spec: str) -> Any:
     if not hasattr(module, attr):
         raise ConfigError(f"task={spec!r}: {where} has no {attr}")
     return getattr(module, attr)
+
+
+def file_module_name(path: Path) -> str:
+    """The module name a task file is loaded under: private to llmrl and unique per file, so a file named
+    like a package (textarena.py, json.py) never shadows it, for the file itself or anything imported later."""
+    resolved = str(path.resolve())
+    return f"_llmrl_task_{''.join(c if c.isalnum() else '_' for c in path.stem)}_{hashlib.sha1(resolved.encode()).hexdigest()[:10]}"
+
+
+def construct(spec: str, cls: Any, kwargs: dict[str, Any]) -> Any:
+    """`cls(**kwargs)` (seed and task_args), or ConfigError naming the arguments it does not take."""
+    try:
+        inspect.signature(cls).bind(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"task={spec!r}: {getattr(cls, '__name__', cls)} cannot take task_args "
+                          f"{sorted(set(kwargs) - {'seed'})}: {e}") from None
+    except ValueError:  # no signature to read (a builtin): the call says
+        pass
+    return cls(**kwargs)
 
 
 def read_prompts(path: str | None, spec: str) -> list[dict[str, Any]]:
@@ -124,14 +151,17 @@ def register_reward(name: str, fn: RewardFn | None = None, *, prompts: str):
     return add(fn) if fn is not None else add
 
 
-def build_custom(spec: str, seed: int, prompts: str | None) -> Any:
-    """A task from `module:Name`/`file.py:Name` (class or function) or a registered reward function."""
-    if spec in REWARD_FUNCTIONS:
-        fn, path = REWARD_FUNCTIONS[spec]
-        return FunctionTask(fn, read_prompts(prompts or path, spec), seed)
-    obj = load_object(spec)
+def build_custom(spec: str, seed: int, prompts: str | None, task_args: dict[str, Any] | None = None) -> Any:
+    """A task from `module:Name`/`file.py:Name` (class or function; a class gets `task_args` as keywords)
+    or a registered reward function."""
+    obj = REWARD_FUNCTIONS[spec][0] if spec in REWARD_FUNCTIONS else load_object(spec)
     if inspect.isclass(obj):
-        return obj(seed=seed)
+        return construct(spec, obj, {"seed": seed} | dict(task_args or {}))
+    if task_args:
+        raise ConfigError(f"task={spec!r} is a reward function: task_args go to a task class's constructor; "
+                          "give a function its values through the prompts' fields (its **meta)")
+    if spec in REWARD_FUNCTIONS:
+        return FunctionTask(obj, read_prompts(prompts or REWARD_FUNCTIONS[spec][1], spec), seed)
     if callable(obj):
         return FunctionTask(obj, read_prompts(prompts, spec), seed)
     raise ConfigError(f"task={spec!r}: {type(obj).__name__} is neither a task class nor a reward function")

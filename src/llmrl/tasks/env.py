@@ -3,6 +3,7 @@
     env.reset(example)            -> the first messages (default: example.messages)
     env.step(episode, reply_text) -> Turn(messages to append, or None: the episode is over; reward parts)
     env.reward(episode)           -> Reward of the whole episode (its parts plus the final score)
+    env.finish(episode)           -> release what the episode held (called for every episode, whatever happened)
 
 An `Episode` is llmrl's record of one trajectory (the transcript with roles, the turns' reward parts,
 tool calls, why it ended); the environment reads it and keeps its own state in `episode.state`
@@ -17,20 +18,27 @@ on a copy of the environment, with the episode sent along; what comes back is th
 step that raises, overruns env_timeout or returns anything but a Turn of messages ends its episode with
 reward 0 (counted), as does a `reset` that does not return messages.
 
+Every call the trainer makes into an environment or task (reset, start, step on threads, reward,
+finish, evaluate, sample_train_batch) keeps Python's, NumPy's and torch's global RNG states (rng.py):
+libraries that reseed them (TextArena, GEM) cannot move the trainer's streams. A task class gets the
+config's `task_args` as keywords beside `seed`.
+
 How it maps onto other tools' environments: TRL's `environment_factory` builds one environment per
-rollout whose `step`/tool methods answer each reply, as `step` does here; verifiers'
-`MultiTurnEnv.env_response(messages, state) -> (messages, state)` is `step` returning `Turn(messages)`,
-and its `is_completed` is `Turn(None)`; its rubric is `reward`.
+rollout whose tool methods answer each reply, as `step` does here, and whose `reset(**row)` gives the
+first message, as `reset` does. verifiers (v1) scores a taskset with weighted `@vf.reward` methods:
+they are a Reward's components, their weighted sum its total (its multi-turn harnesses are not mapped).
 """
 
 from __future__ import annotations
 
 import math
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmrl.rng import kept_rng_state
 from llmrl.tasks.base import Example, Reward
 
 
@@ -111,6 +119,11 @@ class Environment:
     def reward(self, episode: Episode) -> Reward:
         raise NotImplementedError
 
+    def finish(self, episode: Episode) -> None:
+        """The episode is over and scored (or failed): release what `reset`/`start` opened for it (a socket, a
+        game). Called once for every episode, in the trainer's process: those an error or a limit cut, those
+        of a rollout that failed, and eval's. What it raises is reported and the run goes on."""
+
     def correct(self, episode: Episode) -> bool | None:
         """Did the episode succeed (pass@k in sampled eval)? None: the environment does not say."""
         return None
@@ -124,6 +137,31 @@ class Environment:
         out["turns"] = sum(ep.replies for ep in episodes) / n
         out["tool_calls"] = sum(ep.tool_calls for ep in episodes) / n
         return out
+
+
+def prompt_text(example: Example, episode: Episode | None = None) -> str:
+    """The prompt a log row shows: the last of the episode's first messages (what reset built), else the
+    example's last message ("" when there is none)."""
+    messages = episode.messages[: episode.first] if episode is not None else example.messages
+    return messages[-1]["content"] if messages else ""
+
+
+def finish_episodes(env: Any, episodes: list[Episode], where: str) -> None:
+    """env.finish(episode) for each episode (environments without a `finish` skip it), with the global RNGs kept;
+    one warning line for those that raised (the run goes on: a cleanup's failure loses no result)."""
+    finish = getattr(env, "finish", None)
+    if finish is None:
+        return
+    failed: list[str] = []
+    for ep in episodes:
+        try:
+            with kept_rng_state():
+                finish(ep)
+        except Exception as e:  # noqa: BLE001 - a user's cleanup may raise anything
+            failed.append(f"{type(e).__name__}: {e}")
+    if failed:
+        print(f"llmrl: warning: {where}: the environment's finish raised for {len(failed)} of {len(episodes)} "
+              f"episodes (first: {failed[0]})"[:400], file=sys.stderr)
 
 
 def is_environment(task: Any) -> bool:

@@ -8,7 +8,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from llmrl.errors import RunStopped
+from llmrl.rng import kept_rng_state
 from llmrl.tasks.base import Example, Reward, Task
+from llmrl.tasks.env import finish_episodes
 
 
 @dataclass
@@ -51,7 +53,12 @@ def _checked(r: Reward) -> Reward:
 def score(task: Task, examples: list[Example], texts: list[str], *, strict: bool, where: str) -> Scores:
     """Score every completion (all at once if the task has `reward_batch`). A reward that raises or is
     not a finite number scores 0 and is counted; with `strict`, it stops the run instead (`where`
-    names the step or eval for that message)."""
+    names the step or eval for that message). The global RNGs are kept (a task may reseed them)."""
+    with kept_rng_state():
+        return _score(task, examples, texts, strict=strict, where=where)
+
+
+def _score(task: Task, examples: list[Example], texts: list[str], *, strict: bool, where: str) -> Scores:
     if hasattr(task, "reward_batch"):
         try:
             rewards = [_checked(r) for r in task.reward_batch(examples, texts)]
@@ -82,15 +89,20 @@ def _guarded(compute, strict: bool, what: str) -> Reward | None:
 def score_episodes(env, episodes: list, *, strict: bool, where: str) -> Scores:
     """Score multi-turn episodes with env.reward, handled like `score`: an episode that the environment
     ended by raising or timing out scores 0 (counted in rollout/env_errors, not here); a reward that
-    raises or is not finite scores 0 and is counted (with `strict`, either stops the run)."""
+    raises or is not finite scores 0 and is counted (with `strict`, either stops the run). Then
+    env.finish for every episode, whatever happened. The global RNGs are kept (tasks/env.py)."""
     rewards, errors = [], 0
-    for ep in episodes:
-        if ep.cut == "env_error":
-            if strict:
-                raise RunStopped(f"{where}: the environment failed: {ep.error} (--strict_rewards); the last checkpoint is intact")
-            rewards.append(Reward(total=0.0, components={}))
-            continue
-        reward = _guarded(lambda: env.reward(ep), strict, f"{where}: the environment's reward")  # noqa: B023
-        errors += reward is None
-        rewards.append(reward or Reward(total=0.0, components={}))
+    try:
+        for ep in episodes:
+            if ep.cut == "env_error":
+                if strict:
+                    raise RunStopped(f"{where}: the environment failed: {ep.error} (--strict_rewards); the last checkpoint is intact")
+                rewards.append(Reward(total=0.0, components={}))
+                continue
+            with kept_rng_state():
+                reward = _guarded(lambda: env.reward(ep), strict, f"{where}: the environment's reward")  # noqa: B023
+            errors += reward is None
+            rewards.append(reward or Reward(total=0.0, components={}))
+    finally:
+        finish_episodes(env, episodes, where)
     return Scores(rewards, errors)

@@ -14,6 +14,8 @@ from llmrl.rollout.episodes import EpisodeRunner
 from llmrl.rollout.keyed import mix
 from llmrl.tasks import Example, Task
 from llmrl.tasks.base import Judgement, Reward
+from llmrl.rng import kept_rng_state
+from llmrl.tasks.env import prompt_text
 from llmrl.tasks.score import score, score_episodes
 from llmrl.training.distributed import Dist
 
@@ -99,7 +101,7 @@ def evaluate(engine: RolloutEngine, task: Task, examples: list[Example], *, epis
     if k > 1 and (judged := judge(task, owners, texts, scores.rewards)) is not None:
         metrics |= sampled_metrics(judged, k, majority=hasattr(task, "judge"))  # a "correct" component has no answers
     rows = [
-        {"prompt": ex.messages[-1]["content"] if ex.messages else "", "answer": ex.answer, "completion": t,
+        {"prompt": prompt_text(ex), "answer": ex.answer, "completion": t,
          "reward": r.total}
         for ex, t, r in zip(owners, texts, scores.rewards)
     ]
@@ -110,7 +112,8 @@ def common_metrics(task_metrics, what: str, scores, truncated: int) -> dict[str,
     """The task's own metrics (eval/ added; none when its evaluate raises: the run goes on), eval/reward,
     eval/reward_errors and eval/truncated_frac (`truncated` of the scored completions or episodes)."""
     try:
-        metrics = {f"eval/{name}": v for name, v in task_metrics().items()}
+        with kept_rng_state():
+            metrics = {f"eval/{name}": v for name, v in task_metrics().items()}
     except Exception as e:  # noqa: BLE001 - a user's evaluate may raise anything; the run goes on
         print(f"llmrl: eval: the {what}'s evaluate raised {type(e).__name__}: {e}; only eval/reward is logged",
               file=sys.stderr)
@@ -128,9 +131,11 @@ def environment_metrics(env, played: list, k: int) -> tuple[dict[str, float], li
     n = max(len(played), 1)
     metrics["eval/turns"] = sum(ep.replies for ep in played) / n
     metrics["eval/tool_calls"] = sum(ep.tool_calls for ep in played) / n
-    if k > 1 and played and all(env.correct(ep) is not None for ep in played):
-        metrics |= sampled_metrics([Judgement(bool(env.correct(ep))) for ep in played], k, majority=False)
-    rows = [{"prompt": ep.messages[ep.first - 1]["content"] if ep.first else "", "answer": ep.example.answer, "completion": ep.last_reply,
+    with kept_rng_state():
+        correct = [env.correct(ep) for ep in played] if k > 1 else []
+    if played and correct and all(c is not None for c in correct):
+        metrics |= sampled_metrics([Judgement(bool(c)) for c in correct], k, majority=False)
+    rows = [{"prompt": prompt_text(ep.example, ep), "answer": ep.example.answer, "completion": ep.last_reply,
              "transcript": ep.transcript, "turns": ep.replies, "reward": r.total}
             for ep, r in zip(played, scores.rewards)]
     return metrics, rows

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from llmrl.errors import RunStopped
+from llmrl.rng import kept_rng_state
 from llmrl.rollout import Rollout
 from llmrl.rollout.prompts import prompt_length
 from llmrl.tasks import Example
@@ -48,9 +49,12 @@ def draw(run, step: int, version: int, rounds: int = 0, need: int | None = None)
     cfg = run.cfg
     n, examples, skipped = need or cfg.batch_size, [], 0
     if cfg.long_prompts == "truncate":
-        examples = run.task.sample_train_batch(n)
+        with kept_rng_state():  # the task's own RNG draws; a library's may reseed the global ones
+            examples = run.task.sample_train_batch(n)
     while len(examples) < n and cfg.long_prompts == "skip":
-        for ex in run.task.sample_train_batch(n - len(examples)):
+        with kept_rng_state():
+            batch = run.task.sample_train_batch(n - len(examples))
+        for ex in batch:
             if prompt_length(run.tokenizer, ex.messages) <= cfg.max_prompt_tokens:
                 examples.append(ex)
             else:

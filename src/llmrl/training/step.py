@@ -36,7 +36,7 @@ from llmrl.rollout import Rollout, add_logprobs
 from llmrl.rollout.base import concat_rollouts, select_rows
 from llmrl.rollout.episodes import episode_counts
 from llmrl.tasks import Example, Reward
-from llmrl.tasks.env import Episode
+from llmrl.tasks.env import Episode, prompt_text
 from llmrl.tasks.score import score, score_episodes
 from llmrl.training.rollouts import Drawn, draw
 from llmrl.training.run import Run
@@ -165,6 +165,7 @@ class Gathered:
     ended: torch.Tensor  # [N] bool
     counts: Counts  # merged over ranks
     transcripts: list[list[dict[str, str]] | None]  # [N] environments: each episode's messages after the prompt
+    prompts: list[str]  # [N] the prompt's text (an environment's: the last message its reset built)
     first_row: int = 0  # this rank's first global row
 
 
@@ -173,14 +174,15 @@ def gather(run: Run, s: Sampled, rewards_t: torch.Tensor, lengths: torch.Tensor)
     this rank's rows' sampled tokens (before overlong_filter took truncated rows out of the mask)."""
     out = s.rollout
     mine = Gathered(s.owners, out.texts, s.rewards, rewards_t, lengths, out.completion_mask.sum(1).cpu(), out.ended.cpu(),
-                    s.counts, [ep.transcript for ep in s.episodes] if s.episodes else [None] * len(s.owners))
+                    s.counts, [ep.transcript for ep in s.episodes] if s.episodes else [None] * len(s.owners),
+                    [prompt_text(ex, ep) for ex, ep in zip(s.owners, s.episodes or [None] * len(s.owners))])
     parts = run.dist.gather(mine)  # one collective
     return Gathered(
         owners=[o for p in parts for o in p.owners], texts=[t for p in parts for t in p.texts],
         rewards=[r for p in parts for r in p.rewards], rewards_t=torch.cat([p.rewards_t for p in parts]),
         lengths=torch.cat([p.lengths for p in parts]), scored=torch.cat([p.scored for p in parts]),
         ended=torch.cat([p.ended for p in parts]), counts=functools.reduce(merge, [p.counts for p in parts]),
-        transcripts=[t for p in parts for t in p.transcripts],
+        transcripts=[t for p in parts for t in p.transcripts], prompts=[t for p in parts for t in p.prompts],
         first_row=sum(len(p.rewards) for p in parts[: run.dist.rank]),
     )
 
@@ -298,8 +300,9 @@ def train_step(run: Run, step: int) -> StepResult:
     g = c.batch
     samples = []
     if run.cfg.sample_log_interval and step % run.cfg.sample_log_interval == 0:
-        samples = [{"prompt": ex.messages[-1]["content"] if ex.messages else "", "answer": ex.answer, "completion": text, "reward": r.total,
+        samples = [{"prompt": p, "answer": ex.answer, "completion": text, "reward": r.total,
                     "components": r.components, "advantage": a, "ended": bool(e),
                     **({"transcript": t} if t is not None else {})}
-                   for ex, text, r, a, e, t in zip(g.owners, g.texts, g.rewards, c.adv.tolist(), g.ended.tolist(), g.transcripts)]
+                   for ex, p, text, r, a, e, t in zip(g.owners, g.prompts, g.texts, g.rewards, c.adv.tolist(),
+                                                      g.ended.tolist(), g.transcripts)]
     return StepResult(step_record(run, c, stats, update_s), samples)
