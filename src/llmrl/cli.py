@@ -45,9 +45,12 @@ TRUST_HELP = ("import the task code (file.py:Name or module:Name) that the run d
               "it a run directory's task runs only if it is built in or named again with --task")
 
 
-def task_trusted(args: argparse.Namespace) -> bool:
-    """--trust_task_code, or the task named on this command line (then it is the user's, not the run dir's)."""
-    return bool(getattr(args, "trust_task_code", False) or getattr(args, "task", None))
+def task_trusted(args: argparse.Namespace, cfg: TrainConfig) -> bool:
+    """--trust_task_code, or the code named on this command line (then it is the user's, not the run dir's):
+    the task, and the reward functions when the config has any."""
+    if getattr(args, "trust_task_code", False):
+        return True
+    return bool(getattr(args, "task", None)) and (not cfg.reward_funcs or bool(getattr(args, "reward_funcs", None)))
 
 
 def add_config_options(parser: argparse.ArgumentParser, only: frozenset[str] | None = None) -> None:
@@ -166,7 +169,7 @@ def resume_config(args: argparse.Namespace) -> TrainConfig:
         raise ConfigError(f"--resume {args.resume}: no config.yaml there (not a run directory)")
     check_resume_config(Path(args.resume))  # a damaged config.yaml named as such, before its values mislead
     cfg = load_config(base, {**overrides_from(args), "output_dir": args.resume})
-    check_task_code(cfg.task, args.resume, task_trusted(args))
+    check_task_code(cfg.task, args.resume, task_trusted(args, cfg), cfg.reward_funcs)
     return cfg
 
 
@@ -220,7 +223,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(args.config, overrides)
     if run_config is not None:
-        check_task_code(cfg.task, run_config.parent, task_trusted(args))
+        check_task_code(cfg.task, run_config.parent, task_trusted(args, cfg), cfg.reward_funcs)
     if adapter is not None and not (adapter / "adapter_config.json").exists():
         raise ConfigError(f"--adapter {adapter}: no adapter_config.json there")
     if cfg.num_threads:

@@ -42,6 +42,23 @@ class TrainConfig:
     # what to train
     model: str = doc("Qwen/Qwen2.5-Math-1.5B-Instruct", "hub id, local HF directory, .gguf file, or alias smollm2-135m-instruct")
     task: str = doc("format_copy", "task: format_copy, math_hard, a registered reward, or module:Name / file.py:Name (class or reward function)")
+    dataset: str | None = doc(None, "questions and answers to train on (task dataset, implied): a JSONL/Parquet/CSV "
+                                    "file, a directory of them, or a hub id")
+    dataset_config: str | None = doc(None, "the hub dataset's configuration (e.g. main for openai/gsm8k)")
+    dataset_split: str = doc("train", "the dataset's training split")
+    eval_split: str | None = doc(None, "the dataset's eval split (default: eval_holdout rows held out of the "
+                                       "training split by the seed)")
+    eval_holdout: int = doc(64, "rows held out of the training split for eval when there is no eval_split")
+    prompt_field: str | None = doc(None, "the dataset's prompt column, text or chat messages (default: the first of "
+                                         "prompt, question, problem, input, query)")
+    answer_field: str | None = doc(None, "the dataset's answer column (default: the first of answer, solution, gold, "
+                                         "target); its gold: after '#### ', else the last \\boxed{}, else all of it")
+    system_prompt: str = doc("auto", "the dataset's system message: auto (the grader's, asking for a \\boxed{} answer), "
+                                     "none (no system message), or the text")
+    grader: str = doc("math", "how a dataset's answers are graded: math (math-verify), number or exact")
+    reward_funcs: list[str] = doc([], "TRL-signature reward functions file.py:f or module:f that score the dataset "
+                                      "instead of the grader (comma-separated)")
+    reward_weights: list[str] = doc([], "a weight per reward function (comma-separated; default 1 each)")
     task_args: dict[str, Any] = doc({}, "keyword arguments for the task's or environment's constructor (YAML mapping; "
                                         "on the command line a JSON object)")
     prompts: str | None = doc(None, "JSONL prompts ({\"prompt\": ..., other fields → meta}) for a reward-function task")
@@ -178,7 +195,9 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 # --help sections, in order; every field is in exactly one (tests/test_config.py checks it).
 SECTIONS: dict[str, tuple[str, ...]] = {
-    "task and data": ("model", "task", "task_args", "prompts", "math_data", "math_reward", "grade_time_limit", "grade_workers",
+    "task and data": ("model", "task", "task_args", "dataset", "dataset_config", "dataset_split", "eval_split",
+                      "eval_holdout", "prompt_field", "answer_field", "system_prompt", "grader", "reward_funcs",
+                      "reward_weights", "prompts", "math_data", "math_reward", "grade_time_limit", "grade_workers",
                       "long_prompts"),
     "run": ("steps", "seed", "output_dir", "device", "dtype", "rollout_engine", "server_url", "api_key_file", "max_staleness", "vllm_memory",
             "vllm_sleep", "vllm_prefix_caching", "old_logprobs", "mismatch_correction", "mismatch_cap"),
@@ -423,6 +442,18 @@ def validate(cfg: TrainConfig) -> None:
     rule(cfg.eval_n is None or cfg.eval_n >= 0, "eval_n", "must not be negative")
     rule(cfg.eval_max_new_tokens is None or cfg.eval_max_new_tokens >= 1, "eval_max_new_tokens", "must be at least 1")
     rule(cfg.eval_samples_per_prompt >= 1, "eval_samples_per_prompt", "must be at least 1")
+    rule(cfg.grader in ("math", "number", "exact"), "grader", "must be math, number or exact")
+    rule(cfg.eval_holdout >= 1, "eval_holdout", "must be at least 1")
+    rule(cfg.task == "dataset" or not (cfg.dataset or cfg.reward_funcs), "dataset" if cfg.dataset else "reward_funcs",
+         f"reads a dataset: only with task dataset (task is {cfg.task!r})")
+    rule(cfg.task != "dataset" or cfg.dataset is not None, "dataset", "task dataset needs --dataset PATH_OR_HUB_ID")
+    for w in cfg.reward_weights:
+        try:
+            rule(math.isfinite(float(w)), "reward_weights", "must be finite numbers")
+        except ValueError:
+            raise ConfigError(f"reward_weights={cfg.reward_weights!r}: {w!r} is not a number") from None
+    rule(not cfg.reward_weights or len(cfg.reward_weights) == len(cfg.reward_funcs), "reward_weights",
+         f"needs one weight per reward function ({len(cfg.reward_funcs)})")
     rule(cfg.eval_temperature > 0, "eval_temperature", "must be positive")
     rule(0 < cfg.eval_top_p <= 1, "eval_top_p", "must be in (0, 1]")
     rule(cfg.health_steps >= 1, "health_steps", "must be at least 1")
@@ -562,6 +593,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             raise unknown_keys_error(unknown, where)
         for key, value in source.items():
             values[key] = convert(key, value)
+    if values.get("dataset") and "task" not in values:
+        values["task"] = "dataset"  # --dataset alone names the task
     cfg = TrainConfig(**values)
     validate(cfg)
     return cfg

@@ -11,6 +11,7 @@ from llmrl.errors import UserError
 from llmrl.tasks.base import Example, Reward, Task
 from llmrl.tasks.calculator import CalculatorEnv
 from llmrl.tasks.custom import REWARD_FUNCTIONS, FunctionTask, build_custom, construct, register_reward
+from llmrl.tasks.dataset import DatasetTask
 from llmrl.tasks.env import Environment, Episode, Turn, is_environment
 from llmrl.tasks.format_copy import FormatCopyTask
 from llmrl.tasks.guess import GuessEnv
@@ -21,6 +22,7 @@ TASKS: dict[str, type] = {
     "math_hard": MathHardTask,
     "calculator": CalculatorEnv,
     "guess": GuessEnv,
+    "dataset": DatasetTask,
 }
 
 
@@ -52,6 +54,15 @@ def make_task(name: str, seed: int, math_data: str | None = None, prompts: str |
 
 def task_from_config(cfg) -> Task:
     """The task a TrainConfig asks for, seeded by cfg.seed (every rank draws the same prompts)."""
+    if cfg.task == "dataset":
+        system = cfg.system_prompt.strip()
+        system = None if system == "auto" else "" if system.lower() in ("", "none") else cfg.system_prompt
+        options = dict(source=cfg.dataset, config=cfg.dataset_config, split=cfg.dataset_split, eval_split=cfg.eval_split,
+                       eval_holdout=cfg.eval_holdout, prompt_field=cfg.prompt_field, answer_field=cfg.answer_field,
+                       system_prompt=system, grader=cfg.grader, reward_funcs=cfg.reward_funcs,
+                       reward_weights=[float(w) for w in cfg.reward_weights], time_limit=cfg.grade_time_limit,
+                       workers=cfg.grade_workers)
+        return construct("dataset", DatasetTask, dict(seed=cfg.seed) | options | dict(cfg.task_args))
     return make_task(cfg.task, seed=cfg.seed, math_data=cfg.math_data, prompts=cfg.prompts, task_args=cfg.task_args,
                      reward=cfg.math_reward, time_limit=cfg.grade_time_limit, workers=cfg.grade_workers)
 
@@ -72,31 +83,40 @@ def is_task_code(task: str) -> bool:
     return bool(sep and module) and task not in TASKS and task not in REWARD_FUNCTIONS
 
 
-def resume_command(task: str, run_dir: Path | str) -> str:
-    """The command a stop line tells the user to resume with (with --trust_task_code when the task is code:
+def code_specs(task: str, reward_funcs: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The code a config names: its task when that is code, and its reward functions."""
+    return ([task] if is_task_code(task) else []) + list(reward_funcs)
+
+
+def resume_command(cfg, run_dir: Path | str) -> str:
+    """The command a stop line tells the user to resume with (with --trust_task_code when the config names code:
     the run is the user's own)."""
-    return f"llmrl train --resume {run_dir}" + (" --trust_task_code" if is_task_code(task) else "")
+    runs_code = code_specs(cfg.task, getattr(cfg, "reward_funcs", ()))
+    return f"llmrl train --resume {run_dir}" + (" --trust_task_code" if runs_code else "")
 
 
-def check_task_code(task: str, run_dir: Path | str, trusted: bool) -> None:
+def check_task_code(task: str, run_dir: Path | str, trusted: bool, reward_funcs: list[str] | tuple[str, ...] = ()) -> None:
     """Refuse to import the task code that a run directory names, unless `trusted` (--trust_task_code, or
-    the task named again with --task): every command that loads a run directory or one of its checkpoints
-    (`eval --run/--adapter`, `export --merge`, `chat`, `train --resume`) calls this before building the task.
+    the code named again on the command line): every command that loads a run directory or one of its
+    checkpoints (`eval --run/--adapter`, `export --merge`, `chat`, `train --resume`) calls this before
+    building the task.
 
-    What a run directory holds is data, except its task. config.yaml's values, the checkpoint (safetensors
-    weights; optimizer and RNG state loaded with `weights_only=True`, so nothing is unpickled into code;
-    JSON trainer state), the `prompts` file and `math_data` (JSONL or Parquet rows) are only read, and the
-    base model is loaded without `trust_remote_code`. Code is a `task` that is not a registered name:
-    `file.py:Name` executes that file and `package.module:Name` imports that module, then constructs the
-    class or calls the function on every completion. `llmrl train --config FILE` runs the task code its
-    own config names (the user chose that file); a run directory someone hands you does not run code
-    without --trust_task_code, as a Hugging Face model does not without trust_remote_code."""
-    if trusted or not is_task_code(task):
+    What a run directory holds is data, except its task and its reward functions. config.yaml's values, the
+    checkpoint (safetensors weights; optimizer and RNG state loaded with `weights_only=True`, so nothing is
+    unpickled into code; JSON trainer state), the `prompts` file, `math_data` and `dataset` (rows) are only
+    read, and the base model is loaded without `trust_remote_code`. Code is a `task` that is not a registered
+    name, and each of `reward_funcs`: `file.py:Name` executes that file and `package.module:Name` imports that
+    module, then constructs the class or calls the function on every completion. `llmrl train --config FILE`
+    runs the code its own config names (the user chose that file); a run directory someone hands you does not
+    run code without --trust_task_code, as a Hugging Face model does not without trust_remote_code."""
+    code = code_specs(task, reward_funcs)
+    if trusted or not code:
         return
-    kind = "a file" if task.rpartition(":")[0].endswith(".py") else "a module"
-    raise UserError(f"run dir {run_dir} names task code {task!r} ({kind} it would import); pass --trust_task_code "
-                    "to run it, or name the task again with --task")
+    kind = "a file" if code[0].rpartition(":")[0].endswith(".py") else "a module"
+    what, option = ("task code", "--task") if code[0] == task else ("reward function", "--reward_funcs")
+    raise UserError(f"run dir {run_dir} names {what} {code[0]!r} ({kind} it would import); pass --trust_task_code "
+                    f"to run it, or name it again with {option}")
 
 
-__all__ = ["TASKS", "check_task_code", "is_task_code", "resume_command", "register_env", "Environment", "Episode", "Turn", "is_environment", "Example", "FunctionTask", "is_task_name", "Reward", "Task", "make_task", "register_reward",
+__all__ = ["TASKS", "check_task_code", "code_specs", "is_task_code", "resume_command", "register_env", "Environment", "Episode", "Turn", "is_environment", "Example", "FunctionTask", "is_task_name", "Reward", "Task", "make_task", "register_reward",
            "task_from_config"]

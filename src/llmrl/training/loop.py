@@ -109,7 +109,7 @@ def stop_with_checkpoint(run: Run, reason: str) -> RunStopped:
         path = latest if latest == checkpoint_dir(run.dir, done) else save(run, done)
     except RunStopped as e:
         return RunStopped(f"{reason}; {e}")
-    return RunStopped(f"{reason}; checkpoint {path} (step {done}); resume with: {resume_command(run.cfg.task, run.dir)}")
+    return RunStopped(f"{reason}; checkpoint {path} (step {done}); resume with: {resume_command(run.cfg, run.dir)}")
 
 
 def loop(run: Run) -> TrainResult:
@@ -135,7 +135,7 @@ def loop(run: Run) -> TrainResult:
                 bar.close()
                 if run.dist.is_main:
                     print(f"llmrl: stopped by {stop.signal or 'a signal on another rank'} after step {step}; "
-                          f"checkpoint {path}\nllmrl: resume with: {resume_command(run.cfg.task, run.dir)}", file=sys.stderr, flush=True)
+                          f"checkpoint {path}\nllmrl: resume with: {resume_command(run.cfg, run.dir)}", file=sys.stderr, flush=True)
                 break
     close_run(run)
     if run.dist.is_main and path is not None:

@@ -312,7 +312,7 @@ def build_run(cfg: TrainConfig, dist: Dist, lock: RunLock | None, resume: bool, 
                            name=cfg.run_name, resume_step=start - 1 if checkpoint else None,
                            use_tensorboard=cfg.tensorboard)
     except OSError as e:
-        after = (f"its checkpoints are intact: fix the cause and run `{resume_command(cfg.task, run_dir)}`" if checkpoint
+        after = (f"its checkpoints are intact: fix the cause and run `{resume_command(cfg, run_dir)}`" if checkpoint
                  else "fix the cause and start again (--overwrite replaces what was written)")
         raise RunStopped(f"could not write {e.filename or run_dir}: {e.strerror or e}; {after}") from None
     episodes = environment_runner(cfg, task, model, tokenizer)
@@ -366,7 +366,7 @@ def save(run: Run, step: int) -> Path | None:
         save_config(run.cfg, run.dir / CONFIG, resolved=run.config_notes)  # what the next --resume checks
     except OSError as e:
         raise RunStopped(f"could not write {run.dir / CONFIG}: {e.strerror or e}; checkpoint {path} (step {step}) is "
-                         f"complete: fix the cause and run `{resume_command(run.cfg.task, run.dir)}`") from None
+                         f"complete: fix the cause and run `{resume_command(run.cfg, run.dir)}`") from None
     hooks.fire("after_checkpoint", path=path)
     return path
 
@@ -376,7 +376,7 @@ def kept_checkpoint(run: Run) -> str:
     previous = latest_checkpoint(run.dir, report=lambda _: None)
     if previous is None:
         return "no checkpoint was written before this one: fix the cause and start again"
-    return f"the previous checkpoint ({previous}) is intact: fix the cause and run `{resume_command(run.cfg.task, run.dir)}`"
+    return f"the previous checkpoint ({previous}) is intact: fix the cause and run `{resume_command(run.cfg, run.dir)}`"
 
 
 def eval_count(cfg: TrainConfig, task: Task) -> int:

@@ -1,0 +1,333 @@
+"""Train on a dataset of questions and answers: a local JSONL, Parquet or CSV file, a directory of them, or a
+hub id (with --dataset_config / --dataset_split), read through Hugging Face `datasets`.
+
+    llmrl train --dataset gsm8k_train.jsonl --grader math            (task "dataset" is implied)
+    llmrl train --dataset openai/gsm8k --dataset_config main --eval_split test
+    llmrl train --dataset rows.jsonl --reward_funcs rewards.py:correct,rewards.py:short --reward_weights 1,0.2
+
+A row's prompt is its `prompt_field` (default: the first of prompt, question, problem, input, query): a text
+becomes the user message, after `system_prompt`; a list of chat messages (TRL's conversational format) is
+used as it is. Its gold answer is read from `answer_field` (default: answer, solution, gold, target):
+the text after GSM8K's `#### `, else the last `\\boxed{…}` (MATH), else the whole text. A row whose gold the
+grader cannot read is dropped and counted in the data report.
+
+Graders (the reward, and eval/correct):
+- math: math-verify in the bounded grading pool (grading.py) on the completion's last `\\boxed{}`:
+  +1.0 when equivalent to the gold, +0.1 for giving a boxed answer at all (as math_hard's verify reward);
+- number: the completion's last boxed number, else its last number, equal to the gold number (relative
+  1e-6): +1.0;
+- exact: the completion's last boxed text, else its last non-empty line, equal to the gold after
+  collapsing whitespace: +1.0.
+
+With `reward_funcs` (TRL's signature: `f(prompts, completions, **columns) -> list[float | None]`, several,
+each weighted by `reward_weights`, default 1), the functions score instead of the grader: each is called
+once per batch with the prompts and completions as TRL passes them (text, or message lists when the prompt
+field holds messages) and every other column as a keyword list. Each function's values are logged as
+reward/<its name> (unweighted), the total is their weighted sum; a None is "unscored": it adds nothing to
+the total and is counted in reward/unscored.
+
+Eval: `eval_split` when given, else `eval_holdout` rows held out of the training split by the run's seed
+(the data report says which).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+from llmrl import grading
+from llmrl.errors import ConfigError, DataError
+from llmrl.tasks import seed_parsing
+from llmrl.tasks.base import Example, Judgement, Reward, SeededSampling, mean_of
+
+GRADERS = ("math", "number", "exact")
+PROMPT_FIELDS = ("prompt", "question", "problem", "input", "query")
+ANSWER_FIELDS = ("answer", "solution", "gold", "target")
+SYSTEM_PROMPTS = {
+    "math": "Solve the problem step by step. Put the final answer in \\boxed{}.",
+    "number": "Solve the problem step by step. Put the final answer, a number, in \\boxed{}.",
+    "exact": "Answer the question. Put the final answer in \\boxed{}.",
+}
+GSM8K_MARK = re.compile(r"####\s*(.*?)\s*$", re.DOTALL)
+LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def gold_answer(value: Any) -> str | None:
+    """The gold answer in a row's answer field: the text after GSM8K's `#### `, else the last `\\boxed{…}`,
+    else the whole text, stripped; None when that is empty (or the value is no text or number)."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        return None
+    text = str(value)
+    if (m := GSM8K_MARK.search(text)) is not None:
+        text = m.group(1)
+    elif (boxed := grading.last_boxed(text)) is not None:
+        text = boxed
+    return text.strip() or None
+
+
+def gold_number(gold: str) -> float | None:
+    """A gold answer as a number ("1,234" → 1234.0, "3/4" → 0.75), or None."""
+    return seed_parsing.parse_number(gold.replace(",", ""))
+
+
+def completion_number(completion: str) -> float | None:
+    """The number a completion answers with: its last boxed number, else the last number in it."""
+    boxed = seed_parsing.boxed_number(completion)
+    return boxed if boxed is not None else seed_parsing.last_number(completion)
+
+
+def completion_text(completion: str) -> str | None:
+    """The text a completion answers with: its last boxed content, else its last non-empty line."""
+    boxed = grading.extract_answer(completion)
+    if boxed is not None:
+        return boxed
+    lines = [line.strip() for line in grading.strip_think(completion).splitlines() if line.strip()]
+    return lines[-1] if lines else None
+
+
+def same_words(a: str, b: str) -> bool:
+    return " ".join(a.split()) == " ".join(b.split())
+
+
+def load_rows(source: str, config: str | None, split: str) -> list[dict[str, Any]]:
+    """The rows of one split: from a local file (every row; JSONL, JSON, Parquet, CSV), a local directory
+    (its files as `datasets` maps them to splits) or a hub dataset. One DataError line when it cannot."""
+    from datasets import load_dataset
+
+    path = Path(source)
+    quiet = [logging.getLogger(name) for name in ("huggingface_hub", "datasets", "fsspec")]
+    levels = [log.level for log in quiet]
+    for log in quiet:
+        log.setLevel(logging.ERROR)  # the hub client's retry lines would precede the one-line error
+    try:
+        if path.is_file():
+            builder = LOCAL_BUILDERS.get(path.suffix.lower())
+            if builder is None:
+                raise DataError(f"dataset '{source}': unknown file type {path.suffix!r} (use "
+                                f"{', '.join(LOCAL_BUILDERS)})")
+            rows = load_dataset(builder, data_files=str(path), split="train")
+        else:
+            rows = load_dataset(source, config, split=split)
+        return [dict(r) for r in rows]
+    except DataError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a missing split, a bad file, offline: one line naming it
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        where = "file" if path.is_file() else "directory" if path.is_dir() else "hub dataset"
+        raise DataError(f"dataset '{source}' ({where}, split {split!r}): could not load it: {type(e).__name__}: "
+                        f"{first}") from None
+    finally:
+        for log, level in zip(quiet, levels):
+            log.setLevel(level)
+
+
+def pick_field(rows: list[dict[str, Any]], given: str | None, candidates: tuple[str, ...], what: str,
+               source: str) -> str:
+    """The column holding `what`: `given` (it must exist), else the first of `candidates` present."""
+    columns = list(rows[0]) if rows else []
+    if given is not None:
+        if rows and given not in columns:
+            raise DataError(f"dataset '{source}': no column {given!r} for the {what} (columns: {', '.join(columns)})")
+        return given
+    found = next((c for c in candidates if c in columns), None)
+    if found is None:
+        raise DataError(f"dataset '{source}': no {what} column among {', '.join(columns) or 'none'}; name it with "
+                        f"--{what}_field")
+    return found
+
+
+def load_reward_funcs(specs: list[str], weights: list[float]) -> list[tuple[str, Any, float]]:
+    """(name, function, weight) of each `file.py:f` / `module:f` in `specs`."""
+    from llmrl.tasks.custom import load_object
+
+    if weights and len(weights) != len(specs):
+        raise ConfigError(f"reward_weights: {len(weights)} weights for {len(specs)} reward_funcs")
+    funcs = []
+    for spec, w in zip(specs, weights or [1.0] * len(specs)):
+        fn = load_object(spec)
+        if not callable(fn) or inspect.isclass(fn):
+            raise ConfigError(f"reward_funcs: {spec!r} is not a function")
+        funcs.append((getattr(fn, "__name__", spec.rpartition(":")[2]), fn, float(w)))
+    names = [n for n, _, _ in funcs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"reward_funcs: two functions share a name ({', '.join(names)}): their logs would mix")
+    return funcs
+
+
+class DatasetTask(SeededSampling):
+    """Questions and gold answers from a dataset, scored by a grader or by TRL-signature reward functions."""
+
+    name = "dataset"
+    eval_n_default = 256
+
+    def __init__(self, seed: int = 0, source: str | None = None, *, config: str | None = None, split: str = "train",
+                 eval_split: str | None = None, eval_holdout: int = 64, prompt_field: str | None = None,
+                 answer_field: str | None = None, system_prompt: str | None = None, grader: str = "math",
+                 reward_funcs: list[str] | None = None, reward_weights: list[float] | None = None,
+                 time_limit: float = grading.DEFAULT_TIME_LIMIT, workers: int | None = None):
+        if source is None:
+            raise ConfigError("task=dataset: give the data with --dataset PATH_OR_HUB_ID")
+        if grader not in GRADERS:
+            raise ConfigError(f"grader={grader!r}: must be one of {', '.join(GRADERS)}")
+        self.rng = random.Random(seed)
+        self._last: tuple[list, list[grading.Verdict]] = ([], [])
+        self.grader, self.time_limit, self.workers = grader, time_limit, workers
+        self.funcs = load_reward_funcs(list(reward_funcs or []), list(reward_weights or []))
+        self.system = system_prompt if system_prompt is not None else SYSTEM_PROMPTS[grader]
+        train = load_rows(source, config, split)
+        if not train:
+            raise DataError(f"dataset '{source}' ({split}): no rows")
+        self.prompt_field = pick_field(train, prompt_field, PROMPT_FIELDS, "prompt", source)
+        self.answer_field = (pick_field(train, answer_field, ANSWER_FIELDS, "answer", source)
+                             if not self.funcs or answer_field is not None else None)
+        report: dict[str, Any] = {"source": source, "split": split, "prompt_field": self.prompt_field,
+                                  "answer_field": self.answer_field,
+                                  "scored_by": [n for n, _, _ in self.funcs] or f"grader {grader}"}
+        self.train_rows, report["train"] = self.usable(train)
+        if eval_split is not None:
+            self.eval_rows, report["eval"] = self.usable(load_rows(source, config, eval_split))
+            report["eval"]["split"] = eval_split
+        else:  # a slice of the training split, held out by the seed
+            order = list(range(len(self.train_rows)))
+            random.Random(seed).shuffle(order)
+            n = min(eval_holdout, len(order) - 1)
+            held = set(order[:n])
+            self.eval_rows = [r for i, r in enumerate(self.train_rows) if i in held]
+            self.train_rows = [r for i, r in enumerate(self.train_rows) if i not in held]
+            report["eval"] = {"held_out_of": split, "rows": len(self.eval_rows), "seed": seed}
+            report["train"]["kept"] = len(self.train_rows)
+        self.data_report = report
+        if not self.train_rows or not self.eval_rows:
+            raise DataError(f"dataset '{source}': {len(self.train_rows)} training and {len(self.eval_rows)} eval rows "
+                            f"usable ({report}); each needs at least one")
+
+    def usable(self, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The rows with a prompt and, for a grader, a gold answer it can read: (kept, {kept, dropped: reasons})."""
+        kept, dropped = [], {}
+        golds = []
+        for row in rows:
+            prompt = row.get(self.prompt_field)
+            if not (isinstance(prompt, str) and prompt.strip()) and not self.is_messages(prompt):
+                dropped["no prompt"] = dropped.get("no prompt", 0) + 1
+                continue
+            gold = gold_answer(row.get(self.answer_field)) if self.answer_field else None
+            if self.answer_field and not self.funcs:
+                reason = self.unreadable(gold)
+                if reason:
+                    dropped[reason] = dropped.get(reason, 0) + 1
+                    continue
+            kept.append(row | {"_gold": gold})
+            golds.append(gold)
+        if self.grader == "math" and not self.funcs and kept:  # math-verify must read the gold (in the pool)
+            ok = grading.gold_parses([r["_gold"] for r in kept], time_limit=self.time_limit, workers=self.workers)
+            dropped["gold math-verify cannot read"] = sum(not x for x in ok)
+            kept = [r for r, x in zip(kept, ok) if x]
+        return kept, {"kept": len(kept), "dropped": {k: v for k, v in dropped.items() if v}}
+
+    def unreadable(self, gold: str | None) -> str | None:
+        """Why the grader cannot use this gold answer (None: it can)."""
+        if gold is None:
+            return "no gold answer"
+        if self.grader == "number" and gold_number(gold) is None:
+            return "gold is not a number"
+        return None
+
+    @staticmethod
+    def is_messages(value: Any) -> bool:
+        return (isinstance(value, list) and bool(value)
+                and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                        for m in value))
+
+    def example(self, row: dict[str, Any]) -> Example:
+        prompt = row[self.prompt_field]
+        if self.is_messages(prompt):
+            messages = [dict(m) for m in prompt]
+            if self.system and messages[0]["role"] != "system":
+                messages = [{"role": "system", "content": self.system}] + messages
+        else:
+            messages = ([{"role": "system", "content": self.system}] if self.system else []) + [
+                {"role": "user", "content": prompt}]
+        return Example(messages=messages, answer=row["_gold"],
+                       meta={k: v for k, v in row.items() if k != "_gold"})
+
+    def sample_train_batch(self, n: int) -> list[Example]:
+        return [self.example(self.train_rows[self.rng.randrange(len(self.train_rows))]) for _ in range(n)]
+
+    def eval_examples(self, n: int) -> list[Example]:
+        return [self.example(r) for r in self.eval_rows[:n]]
+
+    # ------------------------------------------------------------------ scoring
+
+    def reward_batch(self, examples: list[Example], completions: list[str]) -> list[Reward]:
+        if self.funcs:
+            return self.function_rewards(examples, completions)
+        if self.grader == "math":
+            verdicts = self.verdicts(examples, completions)
+            return [Reward(total=0.1 * (v.extracted is not None) + 1.0 * v.correct,
+                           components={"boxed": 0.1 * (v.extracted is not None), "correct": 1.0 * v.correct},
+                           counts={"grade_timeouts": int(v.status == "timeout")}) for v in verdicts]
+        return [self.reward(ex, c) for ex, c in zip(examples, completions, strict=True)]
+
+    def verdicts(self, examples: list[Example], completions: list[str]) -> list[grading.Verdict]:
+        """math-verify's verdicts (the last batch is kept: eval asks for rewards, metrics and judgements)."""
+        items = [(c, ex.answer) for ex, c in zip(examples, completions, strict=True)]
+        if self._last[0] != items:
+            self._last = (items, grading.grade_batch(items, time_limit=self.time_limit, workers=self.workers))
+        return self._last[1]
+
+    def reward(self, example: Example, completion: str) -> Reward:
+        if self.funcs or self.grader == "math":
+            return self.reward_batch([example], [completion])[0]
+        correct = self.correct(example, completion)
+        return Reward(total=1.0 * correct, components={"correct": 1.0 * correct})
+
+    def correct(self, example: Example, completion: str) -> bool:
+        """number / exact graders (math goes through the pool)."""
+        if self.grader == "number":
+            value, gold = completion_number(completion), gold_number(example.answer)
+            return value is not None and gold is not None and math.isclose(value, gold, rel_tol=1e-6, abs_tol=1e-9)
+        answer = completion_text(completion)
+        return answer is not None and same_words(answer, example.answer)
+
+    def function_rewards(self, examples: list[Example], completions: list[str]) -> list[Reward]:
+        """The reward functions' weighted sum, each function's values a component; None: unscored."""
+        conversational = any(self.is_messages(ex.meta.get(self.prompt_field)) for ex in examples)
+        prompts = [ex.meta.get(self.prompt_field) for ex in examples]
+        shown = ([[{"role": "assistant", "content": c}] for c in completions] if conversational else list(completions))
+        columns = {k: [ex.meta.get(k) for ex in examples] for k in examples[0].meta if k not in ("prompt", "completion")}
+        rewards = [Reward(total=0.0, components={}, counts={"unscored": 0}) for _ in examples]
+        for name, fn, weight in self.funcs:
+            values = fn(prompts=prompts, completions=shown, **columns)
+            if values is None or len(values) != len(examples):
+                raise ValueError(f"reward function {name} returned {None if values is None else len(values)} values "
+                                 f"for {len(examples)} completions")
+            for r, v in zip(rewards, values):
+                if v is None:
+                    r.counts["unscored"] += 1
+                    continue
+                v = float(v)
+                r.components[name] = v
+                r.total += weight * v
+        return rewards
+
+    def judge(self, examples: list[Example], completions: list[str]) -> list[Judgement] | None:
+        """Sampled eval's verdicts (pass@k, maj@k); reward functions say nothing about correctness."""
+        if self.funcs:
+            return None
+        if self.grader == "math":
+            verdicts = self.verdicts(examples, completions)
+            return [Judgement(v.correct, v.extracted) for v in verdicts]
+        answer = completion_number if self.grader == "number" else completion_text
+        return [Judgement(self.correct(ex, c), answer(c)) for ex, c in zip(examples, completions, strict=True)]
+
+    def evaluate(self, examples: list[Example], completions: list[str]) -> dict[str, float]:
+        rewards = self.reward_batch(examples, completions)
+        if self.funcs:
+            names = [n for n, _, _ in self.funcs]
+            return {n: mean_of([r.components.get(n, 0.0) for r in rewards]) for n in names}
+        return {"correct": mean_of([r.components["correct"] > 0 for r in rewards])}
