@@ -247,7 +247,9 @@ PATTERNS: list[tuple[re.Pattern[str], Metric]] = [
     (_p(r"eval/(?P<metric>.+)"), Metric("value", EVAL + ", a custom task", "What the task's evaluate() returns, "
      "under eval/ (a custom environment's default evaluate: the mean per episode of each Turn.parts name).")),
     (_p(r"reward/(?P<name>.+)"), Metric("mean or count", "a custom task", "The task's reward components "
-     "(Reward.components: mean per completion) and counts (Reward.counts: summed over the step), by their names.")),
+     "(Reward.components: mean per completion), counts (Reward.counts: summed over the step) and metrics "
+     "(Reward.metrics, never in the total: mean over the completions that report it), by their names; with "
+     "--reward_funcs, each function's values under its name.")),
 ]
 
 CUSTOM_EVAL, CUSTOM_REWARD = PATTERNS[-2][1], PATTERNS[-1][1]  # what any name a user's task picks falls under

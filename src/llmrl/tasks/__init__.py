@@ -15,6 +15,7 @@ from llmrl.tasks.dataset import DatasetTask
 from llmrl.tasks.env import Environment, Episode, Turn, is_environment
 from llmrl.tasks.format_copy import FormatCopyTask
 from llmrl.tasks.guess import GuessEnv
+from llmrl.tasks.libraries import is_library_task, library_task
 from llmrl.tasks.math_hard import MathHardTask
 
 TASKS: dict[str, type] = {
@@ -49,6 +50,8 @@ def make_task(name: str, seed: int, math_data: str | None = None, prompts: str |
         return construct(name, MathHardTask, dict(seed=seed, data=math_data, **math_options) | args)
     if name in TASKS:
         return construct(name, TASKS[name], dict(seed=seed) | args)
+    if is_library_task(name):
+        return library_task(name, seed, args)
     return build_custom(name, seed, prompts, args)
 
 
@@ -70,7 +73,7 @@ def task_from_config(cfg) -> Task:
 def is_task_name(name: str) -> bool:
     """A registered name, an existing `file.py:Name`, or something shaped like `package.module:Name`."""
     module, sep, attr = name.rpartition(":")
-    if name in TASKS or name in REWARD_FUNCTIONS:
+    if name in TASKS or name in REWARD_FUNCTIONS or is_library_task(name):
         return True
     if module.endswith(".py"):
         return Path(module).is_file() and attr.isidentifier()
@@ -80,7 +83,7 @@ def is_task_name(name: str) -> bool:
 def is_task_code(task: str) -> bool:
     """A `file.py:Name` or `module:Name` spec that is not a registered name: loading it runs code."""
     module, sep, _ = task.rpartition(":")
-    return bool(sep and module) and task not in TASKS and task not in REWARD_FUNCTIONS
+    return bool(sep and module) and task not in TASKS and task not in REWARD_FUNCTIONS and not is_library_task(task)
 
 
 def code_specs(task: str, reward_funcs: list[str] | tuple[str, ...] = ()) -> list[str]:

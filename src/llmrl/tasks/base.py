@@ -21,11 +21,14 @@ class Example:
 class Reward:
     """A scored completion: `total` is the sum of `components` (each logged as reward/<name>, the
     mean over the step); `counts` are diagnostics outside the reward (logged as reward/<name>, summed
-    over the step), e.g. grading timeouts."""
+    over the step), e.g. grading timeouts; `metrics` are numbers logged and never summed into the total
+    (reward/<name>: the mean over the step's completions that report it), e.g. a score per dataset of a
+    mixture."""
 
     total: float
     components: dict[str, float]
     counts: dict[str, int] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -39,15 +39,21 @@ class ReservedName(RunStopped):
 def _checked(r: Reward) -> Reward:
     """`r` with plain Python numbers throughout (the logs are JSON), after checking its total is finite and
     that no component or count takes a name llmrl logs itself (ReservedName: one line, the run stops)."""
-    clash = [str(k) for k in (*r.components, *r.counts) if str(k) in RESERVED]
+    names = [str(k) for k in (*r.components, *r.counts, *r.metrics)]
+    clash = [k for k in names if k in RESERVED]
     if clash:
         raise ReservedName(f"the reward names a component or count {clash[0]!r}, which would overwrite llmrl's own "
                            f"reward/{clash[0]} in the logs; rename it (taken: {', '.join(RESERVED)})")
+    if len(set(names)) != len(names):
+        raise ValueError(f"the reward names one thing twice among its components, counts and metrics: {sorted(names)}")
     total = float(_number(r.total))
     if not math.isfinite(total):
         raise ValueError(f"reward is {r.total}")
+    metrics = {str(k): float(_number(v)) for k, v in r.metrics.items()}
+    if not all(math.isfinite(v) for v in metrics.values()):
+        raise ValueError(f"a reward metric is not finite: {metrics}")
     return replace(r, total=total, components={str(k): float(_number(v)) for k, v in r.components.items()},
-                   counts={str(k): _number(v) for k, v in r.counts.items()})
+                   counts={str(k): _number(v) for k, v in r.counts.items()}, metrics=metrics)
 
 
 def score(task: Task, examples: list[Example], texts: list[str], *, strict: bool, where: str) -> Scores:

@@ -262,6 +262,9 @@ def step_record(run: Run, c: Collected, stats: UpdateStats, update_s: float) -> 
         record[f"reward/{name}"] = sum(r.components.get(name, 0.0) for r in rewards) / n
     for name in dict.fromkeys(k for r in rewards for k in r.counts):
         record[f"reward/{name}"] = sum(r.counts.get(name, 0) for r in rewards)
+    for name in dict.fromkeys(k for r in rewards for k in r.metrics):  # the mean over the rows that report it
+        values = [r.metrics[name] for r in rewards if name in r.metrics]
+        record[f"reward/{name}"] = sum(values) / len(values)
     record |= {"adv/mean": adv.mean().item(), "adv/std": adv.std(unbiased=False).item(),
                "adv/min": adv.min().item(), "adv/max": adv.max().item(),
                "rollout/zero_spread_frac": zero_spread_fraction(rewards_t, cfg.group_size)}
