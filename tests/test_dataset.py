@@ -183,7 +183,7 @@ def test_a_run_dirs_reward_functions_are_code_it_does_not_run_unasked(tmp_path):
     data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
     cfg = load_config(None, {"dataset": data, "reward_funcs": "r.py:f"})
     with pytest.raises(UserError, match=r"run dir R names reward function 'r.py:f' \(a file it would import\)"):
-        check_task_code(cfg.task, "R", False, cfg.reward_funcs)
-    check_task_code(cfg.task, "R", True, cfg.reward_funcs)
+        check_task_code(cfg, "R", False)
+    check_task_code(cfg, "R", True)
     assert resume_command(cfg, "R") == "llmrl train --resume R --trust_task_code"
     assert resume_command(load_config(None, {"dataset": data}), "R") == "llmrl train --resume R"

@@ -4,6 +4,8 @@ with --task (tasks.check_task_code); built-in tasks need neither."""
 
 from pathlib import Path
 
+from types import SimpleNamespace
+
 import pytest
 
 from helpers import cli, run_cli, tiny_args
@@ -88,8 +90,14 @@ def test_built_in_tasks_and_trusted_code_pass_the_check():
     from llmrl.errors import UserError
     from llmrl.tasks import check_task_code
 
+    def cfg(task, **kw):
+        return SimpleNamespace(task=task, reward_funcs=kw.get("reward_funcs", []), environment_factory=kw.get("factory"))
+
     for task in ("format_copy", "math_hard", "guess", "calculator"):
-        check_task_code(task, "R", trusted=False)
-    check_task_code("x.py:Cls", "R", trusted=True)
+        check_task_code(cfg(task), "R", trusted=False)
+    check_task_code(cfg("x.py:Cls"), "R", trusted=True)
     with pytest.raises(UserError, match=r"run dir R names task code 'pkg.mod:Cls' \(a module it would import\)"):
-        check_task_code("pkg.mod:Cls", "R", trusted=False)
+        check_task_code(cfg("pkg.mod:Cls"), "R", trusted=False)
+    with pytest.raises(UserError, match=r"run dir R names environment_factory 'env.py:Game' \(a file it would import\); "
+                                        r".* --environment_factory"):
+        check_task_code(cfg("dataset", factory="env.py:Game"), "R", trusted=False)

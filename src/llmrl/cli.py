@@ -47,10 +47,14 @@ TRUST_HELP = ("import the task code (file.py:Name or module:Name) that the run d
 
 def task_trusted(args: argparse.Namespace, cfg: TrainConfig) -> bool:
     """--trust_task_code, or the code named on this command line (then it is the user's, not the run dir's):
-    the task, and the reward functions when the config has any."""
+    the task, the reward functions and the environment_factory, each that the config has."""
     if getattr(args, "trust_task_code", False):
         return True
-    return bool(getattr(args, "task", None)) and (not cfg.reward_funcs or bool(getattr(args, "reward_funcs", None)))
+    from llmrl.tasks import is_task_code
+
+    named = {"task": is_task_code(cfg.task) or not (cfg.reward_funcs or cfg.environment_factory),
+             "reward_funcs": bool(cfg.reward_funcs), "environment_factory": bool(cfg.environment_factory)}
+    return all(bool(getattr(args, option, None)) for option, needed in named.items() if needed)
 
 
 def add_config_options(parser: argparse.ArgumentParser, only: frozenset[str] | None = None) -> None:
@@ -169,7 +173,7 @@ def resume_config(args: argparse.Namespace) -> TrainConfig:
         raise ConfigError(f"--resume {args.resume}: no config.yaml there (not a run directory)")
     check_resume_config(Path(args.resume))  # a damaged config.yaml named as such, before its values mislead
     cfg = load_config(base, {**overrides_from(args), "output_dir": args.resume})
-    check_task_code(cfg.task, args.resume, task_trusted(args, cfg), cfg.reward_funcs)
+    check_task_code(cfg, args.resume, task_trusted(args, cfg))
     return cfg
 
 
@@ -223,7 +227,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(args.config, overrides)
     if run_config is not None:
-        check_task_code(cfg.task, run_config.parent, task_trusted(args, cfg), cfg.reward_funcs)
+        check_task_code(cfg, run_config.parent, task_trusted(args, cfg))
     if adapter is not None and not (adapter / "adapter_config.json").exists():
         raise ConfigError(f"--adapter {adapter}: no adapter_config.json there")
     if cfg.num_threads:

@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from llmrl.chat_templates import CHAT_TEMPLATES
 from llmrl.errors import ConfigError
 from llmrl.run_files import CONFIG, candidates, write_atomically
 
@@ -59,6 +60,11 @@ class TrainConfig:
     reward_funcs: list[str] = doc([], "TRL-signature reward functions file.py:f or module:f that score the dataset "
                                       "instead of the grader (comma-separated)")
     reward_weights: list[str] = doc([], "a weight per reward function (comma-separated; default 1 each)")
+    environment_factory: str | None = doc(None, "a TRL environment_factory class file.py:Cls or module:Cls run on the "
+                                                "dataset's rows: reset(**row), its public methods the tools (task "
+                                                "dataset, implied)")
+    chat_template: str | None = doc(None, "the chat template to use instead of the model's: a Jinja file, or a built-in "
+                                          "name (chatml-tools: ChatML with tool calling, for the embedded model)")
     task_args: dict[str, Any] = doc({}, "keyword arguments for the task's or environment's constructor (YAML mapping; "
                                         "on the command line a JSON object)")
     prompts: str | None = doc(None, "JSONL prompts ({\"prompt\": ..., other fields → meta}) for a reward-function task")
@@ -197,7 +203,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 SECTIONS: dict[str, tuple[str, ...]] = {
     "task and data": ("model", "task", "task_args", "dataset", "dataset_config", "dataset_split", "eval_split",
                       "eval_holdout", "prompt_field", "answer_field", "system_prompt", "grader", "reward_funcs",
-                      "reward_weights", "prompts", "math_data", "math_reward", "grade_time_limit", "grade_workers",
+                      "reward_weights", "environment_factory", "chat_template", "prompts", "math_data", "math_reward", "grade_time_limit", "grade_workers",
                       "long_prompts"),
     "run": ("steps", "seed", "output_dir", "device", "dtype", "rollout_engine", "server_url", "api_key_file", "max_staleness", "vllm_memory",
             "vllm_sleep", "vllm_prefix_caching", "old_logprobs", "mismatch_correction", "mismatch_cap"),
@@ -444,8 +450,11 @@ def validate(cfg: TrainConfig) -> None:
     rule(cfg.eval_samples_per_prompt >= 1, "eval_samples_per_prompt", "must be at least 1")
     rule(cfg.grader in ("math", "number", "exact"), "grader", "must be math, number or exact")
     rule(cfg.eval_holdout >= 1, "eval_holdout", "must be at least 1")
-    rule(cfg.task == "dataset" or not (cfg.dataset or cfg.reward_funcs), "dataset" if cfg.dataset else "reward_funcs",
+    rule(cfg.task == "dataset" or not (cfg.dataset or cfg.reward_funcs or cfg.environment_factory),
+         "dataset" if cfg.dataset else "reward_funcs" if cfg.reward_funcs else "environment_factory",
          f"reads a dataset: only with task dataset (task is {cfg.task!r})")
+    rule(cfg.chat_template is None or cfg.chat_template in CHAT_TEMPLATES or Path(cfg.chat_template).is_file(),
+         "chat_template", f"no such file, nor a built-in template ({', '.join(CHAT_TEMPLATES)})")
     rule(cfg.task != "dataset" or cfg.dataset is not None, "dataset", "task dataset needs --dataset PATH_OR_HUB_ID")
     for w in cfg.reward_weights:
         try:
@@ -593,8 +602,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             raise unknown_keys_error(unknown, where)
         for key, value in source.items():
             values[key] = convert(key, value)
-    if values.get("dataset") and "task" not in values:
-        values["task"] = "dataset"  # --dataset alone names the task
+    if (values.get("dataset") or values.get("environment_factory")) and "task" not in values:
+        values["task"] = "dataset"  # --dataset (or --environment_factory) alone names the task
+    if values.get("environment_factory") and not values.get("dataset") and values.get("prompts"):
+        values["dataset"] = values.pop("prompts")  # an environment's rows may come from a prompts file
     cfg = TrainConfig(**values)
     validate(cfg)
     return cfg

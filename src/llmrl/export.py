@@ -62,7 +62,7 @@ def export(path: Path, out: Path, merge: bool = False, dtype: str = "float32", c
     cfg = load_run_config(run_dir)
     prompts_cfg = load_run_config(run_dir, {"task": task}) if task else cfg  # the card keeps the run's task
     if merge and check > 0:
-        check_task_code(prompts_cfg.task, run_dir, trust_task_code or bool(task), prompts_cfg.reward_funcs)
+        check_task_code(prompts_cfg, run_dir, trust_task_code or bool(task))
     if dtype not in EXPORT_DTYPES:
         raise ConfigError(f"--dtype {dtype}: must be one of {', '.join(EXPORT_DTYPES)}")
     out = Path(out)
@@ -148,7 +148,7 @@ def chat(path: Path, task: str | None = None, max_new_tokens: int = 256, lines=N
 
     checkpoint, run_dir = find_checkpoint(path)
     cfg = load_run_config(run_dir, {"task": task} if task else {})
-    check_task_code(cfg.task, run_dir, trust_task_code or bool(task), cfg.reward_funcs)
+    check_task_code(cfg, run_dir, trust_task_code or bool(task))
     model, tokenizer = load_policy(cfg, checkpoint)
     system = None
     try:

@@ -59,16 +59,18 @@ class TemplateError(ConfigError):
     pass
 
 
-def delta_ids(tokenizer, history: list[dict[str, str]], new: list[dict[str, str]], end_text: str) -> list[int]:
+def delta_ids(tokenizer, history: list[dict[str, str]], new: list[dict[str, str]], end_text: str,
+              tools: list[dict] | None = None) -> list[int]:
     """The token ids of the text the chat template puts after an assistant reply's end-of-turn token when
     `new` messages follow it, up to the next reply's start (generation prompt included); the new messages'
     contents are plain text (prompts.template_ids: a spelled special token stays text).
 
     Rendered twice with a placeholder reply: history + reply, and history + reply + new + generation
     prompt; the first must be a prefix of the second (else earlier turns would be re-rendered), and the
-    reply must be closed by `end_text` (the end-of-turn token the policy generates)."""
+    reply must be closed by `end_text` (the end-of-turn token the policy generates); `tools`: the schemas the
+    prompt was rendered with."""
     reply = {"role": "assistant", "content": PLACEHOLDER}
-    before = tokenizer.apply_chat_template([*history, reply], tokenize=False)
+    before = tokenizer.apply_chat_template([*history, reply], tools=tools, tokenize=False)
     end = before.rindex(PLACEHOLDER) + len(PLACEHOLDER)
     if not before.startswith(end_text, end):
         raise TemplateError(f"the model's chat template does not close an assistant reply with its end-of-turn token "
@@ -76,7 +78,8 @@ def delta_ids(tokenizer, history: list[dict[str, str]], new: list[dict[str, str]
                             "continued token for token")
 
     def delta(messages: list[dict[str, str]]) -> str:
-        after = tokenizer.apply_chat_template([*history, reply, *messages], tokenize=False, add_generation_prompt=True)
+        after = tokenizer.apply_chat_template([*history, reply, *messages], tools=tools, tokenize=False,
+                                              add_generation_prompt=True)
         if not after.startswith(before):
             raise TemplateError("the model's chat template is not prefix-preserving: rendering one more turn changes "
                                 "the earlier ones (e.g. it drops reasoning from past replies), so multi-turn "
@@ -102,20 +105,23 @@ def end_of_turn(tokenizer, eos: list[int]) -> int:
     return first[0]
 
 
-def check_template(tokenizer, end_text: str) -> None:
-    """Start-up check for environments: the template renders k turns as a prefix of k + 1 (two deltas)."""
+def check_template(tokenizer, end_text: str, tools: list[dict] | None = None) -> None:
+    """Start-up check for environments: the template renders k turns as a prefix of k + 1 (two deltas; with
+    tools, of tool results as the environment's messages)."""
+    role = "tool" if tools else "user"
     history = [{"role": "user", "content": "Start."}]
     for k in range(2):
-        delta_ids(tokenizer, history, [{"role": "user", "content": f"Turn {k}."}], end_text)
-        history = [*history, {"role": "assistant", "content": f"Reply {k}."}, {"role": "user", "content": f"Turn {k}."}]
+        delta_ids(tokenizer, history, [{"role": role, "content": f"Turn {k}."}], end_text, tools)
+        history = [*history, {"role": "assistant", "content": f"Reply {k}."}, {"role": role, "content": f"Turn {k}."}]
 
 
-def message_overhead(tokenizer, end_text: str) -> int:
+def message_overhead(tokenizer, end_text: str, tools: list[dict] | None = None) -> int:
     """Tokens the chat template adds around one environment message (its delta with empty content:
     the end of the reply's turn, the message's framing, the next generation prompt): an upper bound of
-    what each message of a turn costs beyond its content."""
+    what each message of a turn costs beyond its content (with tools: the larger of a user and a tool message)."""
     history = [{"role": "user", "content": "Hi."}]
-    return len(delta_ids(tokenizer, history, [{"role": "user", "content": ""}], end_text))
+    return max(len(delta_ids(tokenizer, history, [{"role": role, "content": ""}], end_text, tools))
+               for role in (("user", "tool") if tools else ("user",)))
 
 
 def capped_turn(tokenizer, messages: list[dict[str, str]], max_tokens: int, overhead: int) -> tuple[list[dict[str, str]], int]:
@@ -147,6 +153,7 @@ def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size:
     trainer scores them, except hf's sampler log-probs; engine_logp when the engine gave log-probs for
     every reply; `logprobs` False, as eval asks: neither) and the episodes."""
     one_turn = isinstance(env, OneTurn)
+    tools = None if one_turn else getattr(env, "tool_schemas", None) or None  # shown by the template
     # the end-of-turn id the template closes a reply with; a reply that ends on another EOS id ends its episode
     turn_end = None if one_turn or limits.max_turns == 1 else end_of_turn(tokenizer, eos or [tokenizer.eos_token_id])
     end_text = "" if turn_end is None else tokenizer.decode([turn_end])
@@ -169,7 +176,7 @@ def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size:
                 except Exception as e:  # noqa: BLE001 - a user's environment may raise anything
                     # the episodes end before their first reply; their rows still need a prompt
                     first, error = [{"role": "user", "content": ""}], error_text(e)
-            ids = render(tokenizer, first)
+            ids = render(tokenizer, first, tools)
             truncated += len(ids) > sampling.max_prompt_tokens
             ids = ids[-sampling.max_prompt_tokens:]
             for _ in range(group_size):
@@ -188,7 +195,7 @@ def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size:
                 tails.append([])  # (token ids, sampled?, engine log-probs, engine entropies (or None)) segments
         keys = [mix(seed, first_prompt + b, g) for b in range(len(examples)) for g in range(group_size)]
         spent = [0] * len(episodes)
-        overhead = 0 if one_turn or limits.max_turns == 1 else message_overhead(tokenizer, end_text)
+        overhead = 0 if one_turn or limits.max_turns == 1 else message_overhead(tokenizer, end_text, tools)
         # hf: each episode's KV cache carries over to its next turn (one turn: nothing to carry)
         with engine.episodes() if limits.max_turns > 1 else contextlib.nullcontext():
             for turn in range(limits.max_turns):
@@ -243,7 +250,7 @@ def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size:
                     new, cut = capped_turn(tokenizer, out.messages, limits.env_tokens, overhead)
                     ep.env_truncated += cut
                     # the history before this reply: delta_text renders it with a placeholder reply
-                    delta = delta_ids(tokenizer, ep.messages[:-1], new, end_text)
+                    delta = delta_ids(tokenizer, ep.messages[:-1], new, end_text, tools)
                     tails[i].append((delta, False, None, None))
                     contexts[i] += delta
                     ep.env_tokens += len(delta)
@@ -339,9 +346,10 @@ def episode_runner(cfg, env, tokenizer, eos: list[int], device: torch.device | s
     limits = Limits(max_turns=turns, episode_tokens=budget, reply_tokens=cfg.max_new_tokens,
                     env_tokens=cfg.max_env_tokens, env_timeout=cfg.env_timeout)
     if turns > 1:
+        tools = getattr(env, "tool_schemas", None) or None
         end_text = tokenizer.decode([end_of_turn(tokenizer, eos or [tokenizer.eos_token_id])])
-        check_template(tokenizer, end_text)
-        limits.framing = message_overhead(tokenizer, end_text) + len(text_ids(tokenizer, TRUNCATED))
+        check_template(tokenizer, end_text, tools)
+        limits.framing = message_overhead(tokenizer, end_text, tools) + len(text_ids(tokenizer, TRUNCATED))
     steps = None if single else env_steps(cfg.env_isolation, env, cfg.env_workers)
     return EpisodeRunner(env, tokenizer, limits, eos, device, steps)
 

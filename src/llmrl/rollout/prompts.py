@@ -65,15 +65,15 @@ def defang(tokenizer, text: str) -> str:
     return text if pattern is None else pattern.sub(lambda m: m[0][0] + " " + m[0][1:], text)
 
 
-def render(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+def render(tokenizer, messages: list[dict[str, str]], tools: list[dict] | None = None) -> list[int]:
     """Token ids of chat messages rendered with the model's template, ready for the reply (contents are
-    plain text: template_ids)."""
-    return template_ids(tokenizer, lambda ms: tokenizer.apply_chat_template(ms, tokenize=False, add_generation_prompt=True),
-                        messages)
+    plain text: template_ids); `tools`: the JSON schemas the template shows (None: no tools)."""
+    return template_ids(tokenizer, lambda ms: tokenizer.apply_chat_template(ms, tools=tools, tokenize=False,
+                                                                            add_generation_prompt=True), messages)
 
 
-def prompt_length(tokenizer, messages: list[dict[str, str]]) -> int:
-    return len(render(tokenizer, messages))
+def prompt_length(tokenizer, messages: list[dict[str, str]], tools: list[dict] | None = None) -> int:
+    return len(render(tokenizer, messages, tools))
 
 
 def encode_prompts(tokenizer, messages: list[list[dict[str, str]]], max_prompt_tokens: int, device: torch.device):

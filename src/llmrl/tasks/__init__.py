@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from llmrl.errors import UserError
+from llmrl.errors import ConfigError, DataError, UserError
 from llmrl.tasks.base import Example, Reward, Task
 from llmrl.tasks.calculator import CalculatorEnv
 from llmrl.tasks.custom import REWARD_FUNCTIONS, FunctionTask, build_custom, construct, register_reward
@@ -65,9 +65,35 @@ def task_from_config(cfg) -> Task:
                        system_prompt=system, grader=cfg.grader, reward_funcs=cfg.reward_funcs,
                        reward_weights=[float(w) for w in cfg.reward_weights], time_limit=cfg.grade_time_limit,
                        workers=cfg.grade_workers)
+        if cfg.environment_factory:
+            return factory_environment(cfg, options)
         return construct("dataset", DatasetTask, dict(seed=cfg.seed) | options | dict(cfg.task_args))
     return make_task(cfg.task, seed=cfg.seed, math_data=cfg.math_data, prompts=cfg.prompts, task_args=cfg.task_args,
                      reward=cfg.math_reward, time_limit=cfg.grade_time_limit, workers=cfg.grade_workers)
+
+
+def factory_environment(cfg, options: dict[str, Any]) -> Environment:
+    """A TRL environment_factory class on the dataset's rows (tasks/tools.py); its rows keep their fields for
+    reset(**row); the grader's gold answers and system prompt only when nothing else scores (reward_funcs, or
+    the class's get_reward)."""
+    from llmrl.tasks.custom import load_object
+    from llmrl.tasks.tools import FactoryEnvironment
+
+    factory = load_object(cfg.environment_factory)
+    if not callable(factory):
+        raise ConfigError(f"environment_factory={cfg.environment_factory!r} is not a class")
+    graded = not cfg.reward_funcs and not callable(getattr(factory, "get_reward", None))
+    if not graded and cfg.system_prompt.strip() == "auto":
+        options = options | {"system_prompt": ""}
+    try:
+        data = construct("dataset", DatasetTask, dict(seed=cfg.seed) | options | {"needs_answer": graded})
+    except DataError as e:
+        if not graded or "answer column" not in str(e):
+            raise
+        raise ConfigError(f"environment_factory={cfg.environment_factory!r}: nothing scores an episode: give "
+                          f"--reward_funcs, a get_reward method, or a dataset answer column for the grader ({e})") from None
+    return construct(cfg.environment_factory, FactoryEnvironment,
+                     dict(factory=factory, data=data, spec=cfg.environment_factory, seed=cfg.seed) | dict(cfg.task_args))
 
 
 def is_task_name(name: str) -> bool:
@@ -86,19 +112,24 @@ def is_task_code(task: str) -> bool:
     return bool(sep and module) and task not in TASKS and task not in REWARD_FUNCTIONS and not is_library_task(task)
 
 
-def code_specs(task: str, reward_funcs: list[str] | tuple[str, ...] = ()) -> list[str]:
-    """The code a config names: its task when that is code, and its reward functions."""
-    return ([task] if is_task_code(task) else []) + list(reward_funcs)
+def code_specs(task: str, reward_funcs: list[str] | tuple[str, ...] = (), environment_factory: str | None = None) -> list[str]:
+    """The code a config names: its task when that is code, its reward functions and its environment_factory."""
+    return ([task] if is_task_code(task) else []) + list(reward_funcs) + ([environment_factory] if environment_factory else [])
+
+
+def config_code(cfg) -> list[str]:
+    """code_specs of a TrainConfig."""
+    return code_specs(cfg.task, getattr(cfg, "reward_funcs", ()), getattr(cfg, "environment_factory", None))
 
 
 def resume_command(cfg, run_dir: Path | str) -> str:
     """The command a stop line tells the user to resume with (with --trust_task_code when the config names code:
     the run is the user's own)."""
-    runs_code = code_specs(cfg.task, getattr(cfg, "reward_funcs", ()))
+    runs_code = config_code(cfg)
     return f"llmrl train --resume {run_dir}" + (" --trust_task_code" if runs_code else "")
 
 
-def check_task_code(task: str, run_dir: Path | str, trusted: bool, reward_funcs: list[str] | tuple[str, ...] = ()) -> None:
+def check_task_code(cfg, run_dir: Path | str, trusted: bool) -> None:
     """Refuse to import the task code that a run directory names, unless `trusted` (--trust_task_code, or
     the code named again on the command line): every command that loads a run directory or one of its
     checkpoints (`eval --run/--adapter`, `export --merge`, `chat`, `train --resume`) calls this before
@@ -112,14 +143,16 @@ def check_task_code(task: str, run_dir: Path | str, trusted: bool, reward_funcs:
     module, then constructs the class or calls the function on every completion. `llmrl train --config FILE`
     runs the code its own config names (the user chose that file); a run directory someone hands you does not
     run code without --trust_task_code, as a Hugging Face model does not without trust_remote_code."""
-    code = code_specs(task, reward_funcs)
+    code = config_code(cfg)
     if trusted or not code:
         return
     kind = "a file" if code[0].rpartition(":")[0].endswith(".py") else "a module"
-    what, option = ("task code", "--task") if code[0] == task else ("reward function", "--reward_funcs")
+    what, option = (("task code", "--task") if code[0] == cfg.task else
+                    ("environment_factory", "--environment_factory") if code[0] == getattr(cfg, "environment_factory", None)
+                    else ("reward function", "--reward_funcs"))
     raise UserError(f"run dir {run_dir} names {what} {code[0]!r} ({kind} it would import); pass --trust_task_code "
                     f"to run it, or name it again with {option}")
 
 
-__all__ = ["TASKS", "check_task_code", "code_specs", "is_task_code", "resume_command", "register_env", "Environment", "Episode", "Turn", "is_environment", "Example", "FunctionTask", "is_task_name", "Reward", "Task", "make_task", "register_reward",
+__all__ = ["TASKS", "check_task_code", "code_specs", "config_code", "is_task_code", "resume_command", "register_env", "Environment", "Episode", "Turn", "is_environment", "Example", "FunctionTask", "is_task_name", "Reward", "Task", "make_task", "register_reward",
            "task_from_config"]

@@ -169,7 +169,7 @@ class DatasetTask(SeededSampling):
                  eval_split: str | None = None, eval_holdout: int = 64, prompt_field: str | None = None,
                  answer_field: str | None = None, system_prompt: str | None = None, grader: str = "math",
                  reward_funcs: list[str] | None = None, reward_weights: list[float] | None = None,
-                 time_limit: float = grading.DEFAULT_TIME_LIMIT, workers: int | None = None):
+                 time_limit: float = grading.DEFAULT_TIME_LIMIT, workers: int | None = None, needs_answer: bool = True):
         if source is None:
             raise ConfigError("task=dataset: give the data with --dataset PATH_OR_HUB_ID")
         if grader not in GRADERS:
@@ -183,8 +183,10 @@ class DatasetTask(SeededSampling):
         if not train:
             raise DataError(f"dataset '{source}' ({split}): no rows")
         self.prompt_field = pick_field(train, prompt_field, PROMPT_FIELDS, "prompt", source)
+        # the grader needs gold answers; reward functions (or an environment's own reward) do not
+        self.needs_answer = needs_answer and not self.funcs
         self.answer_field = (pick_field(train, answer_field, ANSWER_FIELDS, "answer", source)
-                             if not self.funcs or answer_field is not None else None)
+                             if self.needs_answer or answer_field is not None else None)
         report: dict[str, Any] = {"source": source, "split": split, "prompt_field": self.prompt_field,
                                   "answer_field": self.answer_field,
                                   "scored_by": [n for n, _, _ in self.funcs] or f"grader {grader}"}
@@ -216,14 +218,14 @@ class DatasetTask(SeededSampling):
                 dropped["no prompt"] = dropped.get("no prompt", 0) + 1
                 continue
             gold = gold_answer(row.get(self.answer_field)) if self.answer_field else None
-            if self.answer_field and not self.funcs:
+            if self.answer_field and self.needs_answer:
                 reason = self.unreadable(gold)
                 if reason:
                     dropped[reason] = dropped.get(reason, 0) + 1
                     continue
             kept.append(row | {"_gold": gold})
             golds.append(gold)
-        if self.grader == "math" and not self.funcs and kept:  # math-verify must read the gold (in the pool)
+        if self.grader == "math" and self.needs_answer and kept:  # math-verify must read the gold (in the pool)
             ok = grading.gold_parses([r["_gold"] for r in kept], time_limit=self.time_limit, workers=self.workers)
             dropped["gold math-verify cannot read"] = sum(not x for x in ok)
             kept = [r for r, x in zip(kept, ok) if x]
@@ -294,12 +296,17 @@ class DatasetTask(SeededSampling):
         answer = completion_text(completion)
         return answer is not None and same_words(answer, example.answer)
 
-    def function_rewards(self, examples: list[Example], completions: list[str]) -> list[Reward]:
-        """The reward functions' weighted sum, each function's values a component; None: unscored."""
+    def function_rewards(self, examples: list[Example], completions: list[str] | list[list[dict[str, str]]],
+                         **extra: list[Any]) -> list[Reward]:
+        """The reward functions' weighted sum, each function's values a component; None: unscored. A completion
+        is a text (shown as one assistant message when the prompts are chat messages) or a list of messages (an
+        episode's, shown as it is); `extra` keyword lists go to the functions beside the columns
+        (environments=)."""
         conversational = any(self.is_messages(ex.meta.get(self.prompt_field)) for ex in examples)
         prompts = [ex.meta.get(self.prompt_field) for ex in examples]
-        shown = ([[{"role": "assistant", "content": c}] for c in completions] if conversational else list(completions))
+        shown = [[{"role": "assistant", "content": c}] if conversational and isinstance(c, str) else c for c in completions]
         columns = {k: [ex.meta.get(k) for ex in examples] for k in examples[0].meta if k not in ("prompt", "completion")}
+        columns |= extra
         rewards = [Reward(total=0.0, components={}, counts={"unscored": 0}) for _ in examples]
         for name, fn, weight in self.funcs:
             values = fn(prompts=prompts, completions=shown, **columns)

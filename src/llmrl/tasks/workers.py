@@ -325,8 +325,10 @@ class ProcessSteps:
         if cls.__module__ == "__main__":
             raise ConfigError(f"environment {cls.__qualname__} is defined in __main__, so a step worker process cannot "
                               f"import it: define it in a module or file, or {hint}")
+        # the environment's class and those it holds (worker_classes: e.g. a TRL environment_factory class)
+        classes = [c for k in (cls, *getattr(self.env, "worker_classes", ())) for c in reversed(k.__mro__)]
         modules = [(c.__module__, getattr(sys.modules.get(c.__module__), "__file__", None))
-                   for c in reversed(cls.__mro__) if c.__module__ not in ("builtins", "__main__")]
+                   for c in classes if c.__module__ not in ("builtins", "__main__")]
         try:
             env_bytes = pickle.dumps(self.env)
         except Exception as e:  # noqa: BLE001 - whatever pickle refuses

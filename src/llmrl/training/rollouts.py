@@ -55,7 +55,7 @@ def draw(run, step: int, version: int, rounds: int = 0, need: int | None = None)
         with kept_rng_state():
             batch = run.task.sample_train_batch(n - len(examples))
         for ex in batch:
-            if prompt_length(run.tokenizer, ex.messages) <= cfg.max_prompt_tokens:
+            if prompt_length(run.tokenizer, ex.messages, getattr(run.episodes.env, "tool_schemas", None)) <= cfg.max_prompt_tokens:
                 examples.append(ex)
             else:
                 skipped += 1

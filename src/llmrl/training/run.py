@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from llmrl.chat_templates import use_chat_template
 from llmrl.checkpoint import latest_checkpoint, load_checkpoint, remove_stale_temporaries, save_checkpoint
 from llmrl.config import Plan, TrainConfig, resolve, resume_differences, save_config
 from llmrl.errors import ConfigError, RunStopped
@@ -106,6 +107,7 @@ def build_policy(cfg: TrainConfig, plan: Plan):
     """(LoRA-wrapped model, tokenizer, kernel choice) for a config; LoRA init is seeded by cfg.seed.
     The kernel choice is one line saying how the frozen linears run (recorded in the run's config)."""
     base, tokenizer = load_base_model(cfg.model, plan.device, plan.dtype)
+    use_chat_template(tokenizer, cfg.chat_template)  # --chat_template: for every prompt the run renders
     torch.manual_seed(cfg.seed)
     model = add_lora(base, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules, plan.gradient_checkpointing)
     if plan.hash_dropout:
