@@ -58,3 +58,116 @@ def test_reasoning_gym_mistakes_are_one_line():
         make_task("reasoning_gym:chain_sum", seed=0, task_args={"sizes": 3})
     with pytest.raises(ConfigError, match="create_dataset raised"):
         make_task("reasoning_gym:chain_sum", seed=0, task_args={"configs": {"chain_sum": {"min_terms": "x"}}})
+
+
+def test_a_textarena_game_plays_as_the_library_plays_it_and_is_scored_by_it():
+    """llmrl's textarena:GuessTheNumber-v0 against the library's own game with the same seed and replies: the
+    same prompt, the same answers, the same reward (a win by binary search: 1.0; a game lost to two invalid
+    moves: the game's own score), and a group's episodes play the same game on instances of their own."""
+    ta = pytest.importorskip("textarena")
+    from llmrl.tasks.env import Episode
+
+    env = make_task("textarena:GuessTheNumber-v0", seed=4, task_args={"max_turns": 7})
+    assert env.max_turns == 7
+    for ex in env.sample_train_batch(2) + env.eval_examples(1):
+        first = env.reset(ex)
+        game = ta.make("GuessTheNumber-v0-raw", max_turns=7)
+        game.reset(num_players=1, seed=ex.meta["game_seed"])
+        _, observations = game.get_observation()
+        assert first == [{"role": "user", "content": observations[0][1]}]
+        episodes = [Episode(example=ex, messages=list(first), first=1) for _ in range(2)]
+        for ep in episodes:
+            env.start(ep)
+        assert episodes[0].state["game"] is not episodes[1].state["game"]
+        lo, hi, turn = 1, 20, None
+        while turn is None or turn.messages is not None:  # binary search: llmrl's game and the library's
+            guess = (lo + hi) // 2
+            episodes[0].replies += 1
+            turn = env.step(episodes[0], f"My guess: [{guess}]")
+            done, _ = game.step(f"My guess: [{guess}]")
+            assert done == (turn.messages is None)
+            if not done:
+                _, observations = game.get_observation()
+                assert turn.messages[0]["content"] == "\n".join(m for _, m, k in observations if k != ta.ObservationType.PLAYER_ACTION)
+                lo, hi = (guess + 1, hi) if "higher" in turn.messages[0]["content"] else (lo, guess - 1)
+        assert env.reward(episodes[0]).total == float(game.close()[0][0]) == 1.0 and env.correct(episodes[0])
+        lost = ta.make("GuessTheNumber-v0-raw", max_turns=7)
+        lost.reset(num_players=1, seed=ex.meta["game_seed"])
+        for reply in ("[1] is my guess", "no number", "still none"):
+            episodes[1].replies += 1
+            if env.step(episodes[1], reply).messages is None:
+                break
+        for reply in ("[1] is my guess", "no number", "still none"):
+            if lost.step(reply)[0]:
+                break
+        reward = env.reward(episodes[1])
+        assert reward.total == float(lost.close()[0][0]) and reward.counts == {"invalid_moves": 1}
+    with pytest.raises(ConfigError, match="no such game"):
+        make_task("textarena:NoSuchGame-v0", seed=0, task_args={})
+
+
+@pytest.mark.slow
+def test_a_textarena_game_trains_multi_turn_from_the_cli(tmp_path, tiny_model_dir):
+    """Two steps of textarena:GuessTheNumber-v0 on the tiny model whose replies end after 4 tokens (no valid
+    guess: the game answers, and ends the episode at the second invalid move): exit 0, 2 turns per episode."""
+    pytest.importorskip("textarena")
+    from helpers import read_jsonl, run_cli, tiny_args
+
+    out = tmp_path / "run"
+    p = run_cli(*tiny_args(tiny_model_dir, out, "grpo", steps=2, task="textarena:GuessTheNumber-v0", max_turns=4,
+                           max_prompt_tokens=200, eval_n=1), fault="replies_end@4")
+    assert p.returncode == 0, p.stderr[-2000:]
+    train = [r for r in read_jsonl(out / "metrics.jsonl") if "reward/mean" in r]
+    assert [r["step"] for r in train] == [1, 2] and all(r["rollout/turns"] == 2.0 for r in train)
+    assert all(r["reward/invalid_moves"] == 6 for r in train)  # 2 prompts x 3 episodes, each lost to invalid moves
+
+
+def skyrl_rows(tmp_path, n=12):
+    """Hand-made rows in SkyRL's dataset format (half of them choose the multi-turn environment per row)."""
+    import json
+
+    rows = [{"prompt": [{"role": "user", "content": f"What is {k} + {k * 3}? End with #### and the number."}],
+             "env_class": "gsm8k_multi_turn" if k % 2 else "gsm8k", "reward_spec": {"method": "rule", "ground_truth": str(4 * k)},
+             "extra_info": {"max_turns": 3}} for k in range(1, n + 1)]
+    path = tmp_path / "skyrl.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_skyrl_gym_reward_is_the_environments_own_on_fixed_replies(tmp_path):
+    """skyrl_gym:gsm8k on SkyRL-format rows (env_class per row): each episode's reward is the sum of what the
+    library's own environment returns for the same replies (right, wrong, formatted-wrong, untagged), and the
+    multi-turn rows continue with the library's observations until it says done."""
+    skyrl_gym = pytest.importorskip("skyrl_gym")
+    from llmrl.config import load_config
+    from llmrl.tasks import task_from_config
+    from llmrl.tasks.env import Episode
+
+    env = task_from_config(load_config(None, {"task": "skyrl_gym:gsm8k", "dataset": skyrl_rows(tmp_path),
+                                              "eval_holdout": 2, "task_args": '{"max_turns": 3}'}))
+    assert env.max_turns == 3 and env.step_cut_replies
+    for ex in env.sample_train_batch(6) + env.eval_examples(2):
+        gold = ex.meta["reward_spec"]["ground_truth"]
+        for replies in ([f"so #### {gold}"], ["#### 9999", f"#### {gold}"], [gold, "#### 1", "#### 2"]):
+            ep = Episode(example=ex, messages=env.reset(ex), first=len(ex.messages))
+            env.start(ep)
+            own = skyrl_gym.make(ex.meta["env_class"], extras=ex.meta)
+            own.init(ex.messages)
+            total = 0.0
+            for reply in replies:
+                ep.replies += 1
+                turn = env.step(ep, reply)
+                out = own.step(reply)
+                total += out["reward"]
+                assert (turn.messages is None) == out["done"] and turn.parts == {"reward": float(out["reward"])}
+                for name, v in turn.parts.items():
+                    ep.parts[name] = ep.parts.get(name, 0.0) + v
+                if out["done"]:
+                    break
+                assert turn.messages == out["observations"]
+            assert env.reward(ep).total == total
+            env.finish(ep)
+    with pytest.raises(ConfigError, match="give its rows with --dataset"):
+        make_task("skyrl_gym:gsm8k", seed=0, task_args={})
+    with pytest.raises(ConfigError, match="no such environment"):
+        make_task("skyrl_gym:nope", seed=0, task_args={})

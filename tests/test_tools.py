@@ -85,8 +85,8 @@ class Replies:
 
     sampler_logp = False
 
-    def __init__(self, tok, turns: list[str]):
-        self.tok, self.turns, self.calls = tok, turns, 0
+    def __init__(self, tok, turns: list[str], ended: bool = True):
+        self.tok, self.turns, self.calls, self.ended = tok, turns, 0, ended
 
     def episodes(self):
         import contextlib
@@ -98,8 +98,10 @@ class Replies:
 
         text = self.turns[self.calls]
         self.calls += 1
-        ids = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.convert_tokens_to_ids("<|im_end|>")]
-        return [Reply(ids, ended=True) for _ in contexts]
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        if self.ended:
+            ids = ids + [self.tok.convert_tokens_to_ids("<|im_end|>")]
+        return [Reply(ids, ended=self.ended) for _ in contexts]
 
 
 def counter_env(tmp_path, reward_funcs=None):
@@ -235,3 +237,26 @@ def test_an_environment_factory_class_trains_two_steps_on_the_embedded_model_wit
     assert all("rollout/tool_calls" in r and "rollout/tool_errors" in r and r["rollout/turns"] >= 1 for r in train)
     samples = read_jsonl(out / "samples.jsonl")
     assert samples and all("transcript" in s for s in samples)
+
+
+def test_a_cut_reply_is_stepped_where_the_environment_scores_every_output(tiny_model_dir):
+    """step_cut_replies: a reply cut at the token cap still reaches step (its reward parts count), and the
+    episode ends cut (what step returns is not appended); without it the cut reply is not stepped."""
+    from llmrl.tasks.env import Environment, Turn
+
+    class Scores(Environment):
+        max_turns = 3
+
+        def step(self, episode, reply):
+            return Turn([{"role": "user", "content": "more"}], parts={"seen": 0.25})
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ex = Example([{"role": "user", "content": "Go."}], None)
+    limits = Limits(max_turns=3, episode_tokens=400, reply_tokens=200, env_tokens=100, env_timeout=30)
+    for step_cut, parts in ((True, {"seen": 0.25}), (False, {})):
+        env = Scores()
+        env.step_cut_replies = step_cut
+        _, (ep,) = run_episodes(Replies(tok, ["a long reply that was cut"], ended=False), env, tok, [ex], group_size=1,
+                                seed=0, first_prompt=0, sampling=SAMPLING, limits=limits, eos=[2])
+        assert ep.cut == "reply_tokens" and ep.truncated and ep.replies == 1 and ep.parts == parts
+        assert [m["role"] for m in ep.transcript] == ["assistant"]

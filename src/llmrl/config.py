@@ -450,7 +450,8 @@ def validate(cfg: TrainConfig) -> None:
     rule(cfg.eval_samples_per_prompt >= 1, "eval_samples_per_prompt", "must be at least 1")
     rule(cfg.grader in ("math", "number", "exact"), "grader", "must be math, number or exact")
     rule(cfg.eval_holdout >= 1, "eval_holdout", "must be at least 1")
-    rule(cfg.task == "dataset" or not (cfg.dataset or cfg.reward_funcs or cfg.environment_factory),
+    rule(cfg.task == "dataset" or cfg.task.startswith("skyrl_gym:") and not (cfg.reward_funcs or cfg.environment_factory)
+         or not (cfg.dataset or cfg.reward_funcs or cfg.environment_factory),
          "dataset" if cfg.dataset else "reward_funcs" if cfg.reward_funcs else "environment_factory",
          f"reads a dataset: only with task dataset (task is {cfg.task!r})")
     rule(cfg.chat_template is None or cfg.chat_template in CHAT_TEMPLATES or Path(cfg.chat_template).is_file(),

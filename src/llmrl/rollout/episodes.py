@@ -154,6 +154,7 @@ def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size:
     every reply; `logprobs` False, as eval asks: neither) and the episodes."""
     one_turn = isinstance(env, OneTurn)
     tools = None if one_turn else getattr(env, "tool_schemas", None) or None  # shown by the template
+    step_cut = not one_turn and bool(getattr(env, "step_cut_replies", False))  # env.step sees cut replies too
     # the end-of-turn id the template closes a reply with; a reply that ends on another EOS id ends its episode
     turn_end = None if one_turn or limits.max_turns == 1 else end_of_turn(tokenizer, eos or [tokenizer.eos_token_id])
     end_text = "" if turn_end is None else tokenizer.decode([turn_end])
@@ -221,6 +222,8 @@ def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size:
                     if not ended:
                         ep.cut = "reply_tokens" if spent[i] < limits.episode_tokens else "episode_tokens"
                         ep.truncated = True
+                        if step_cut:  # the environment scores every output, a cut one too (its episode ends)
+                            stepping.append((i, text, False))
                         continue
                     stepping.append((i, text, turn_end is not None and ids[-1] != turn_end))
                 # a single-turn task has no step to run; an environment's steps of this turn run at once
@@ -238,6 +241,8 @@ def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size:
                         ep.parts[name] = ep.parts.get(name, 0.0) + v
                     ep.tool_calls += out.tool_calls
                     ep.tool_errors += out.tool_errors
+                    if ep.cut is not None:  # a cut reply's step (step_cut_replies): scored, the episode stays cut
+                        continue
                     if out.messages is None or other_eos:  # the environment ended it, or the reply's EOS id did
                         ep.done = ep.cut is None
                         continue

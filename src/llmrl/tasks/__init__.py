@@ -57,7 +57,7 @@ def make_task(name: str, seed: int, math_data: str | None = None, prompts: str |
 
 def task_from_config(cfg) -> Task:
     """The task a TrainConfig asks for, seeded by cfg.seed (every rank draws the same prompts)."""
-    if cfg.task == "dataset":
+    if cfg.task == "dataset" or (cfg.dataset and is_library_task(cfg.task)):
         system = cfg.system_prompt.strip()
         system = None if system == "auto" else "" if system.lower() in ("", "none") else cfg.system_prompt
         options = dict(source=cfg.dataset, config=cfg.dataset_config, split=cfg.dataset_split, eval_split=cfg.eval_split,
@@ -67,6 +67,10 @@ def task_from_config(cfg) -> Task:
                        workers=cfg.grade_workers)
         if cfg.environment_factory:
             return factory_environment(cfg, options)
+        if cfg.task != "dataset":  # a library environment on the dataset's rows (skyrl_gym:ENV)
+            data = construct("dataset", DatasetTask, dict(seed=cfg.seed) | options | {
+                "needs_answer": False, "system_prompt": options["system_prompt"] or ""})
+            return library_task(cfg.task, cfg.seed, {"data": data} | dict(cfg.task_args))
         return construct("dataset", DatasetTask, dict(seed=cfg.seed) | options | dict(cfg.task_args))
     return make_task(cfg.task, seed=cfg.seed, math_data=cfg.math_data, prompts=cfg.prompts, task_args=cfg.task_args,
                      reward=cfg.math_reward, time_limit=cfg.grade_time_limit, workers=cfg.grade_workers)

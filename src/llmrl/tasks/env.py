@@ -94,6 +94,9 @@ class Environment:
     eval_n_default = 32
     max_turns = 4
     tools: dict[str, Callable[[str], Any]] = {}
+    # a reply cut by a token cap ends its episode; True: `step` still sees it (its parts count; what it
+    # returns is not appended), as libraries that score every output (SkyRL-gym, TextArena) expect
+    step_cut_replies = False
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed  # llmrl builds every task as Cls(seed=run seed)

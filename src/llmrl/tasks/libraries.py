@@ -25,8 +25,9 @@ from typing import Any
 
 from llmrl.errors import ConfigError, DataError
 from llmrl.tasks.base import Example, Judgement, Reward, SeededSampling, mean_of
+from llmrl.tasks.env import Environment, Episode, Turn
 
-EXTRAS = {"reasoning_gym": "reasoning-gym"}  # the library's module → its llmrl extra
+EXTRAS = {"reasoning_gym": "reasoning-gym", "textarena": "textarena", "skyrl_gym": "skyrl-gym"}  # the library's module → its llmrl extra
 EVAL_SEED_OFFSET = 1_000_003
 
 
@@ -144,4 +145,210 @@ class ReasoningGymTask(SeededSampling):
         return out
 
 
-LIBRARY_TASKS: dict[str, type] = {"reasoning_gym": ReasoningGymTask}
+class TextArenaEnv(Environment):
+    """A single-player TextArena game (`--task textarena:GuessTheNumber-v0`) as an environment.
+
+    Each example is one game, named by its seed: training games draw seeds from the run's seed, eval games
+    are the first eval_n seeds of a separate stream (the same games every eval). A group's G episodes play
+    the same game (same seed), each on its own instance (`ta.make(ID + "-raw")`: the game's own
+    observations, no wrappers). The prompt is the game's first observation; after each reply
+    (`game.step(reply)`) the game's new messages (not the player's own action) are the next user turn; the
+    game ending ends the episode. Before each step the global `random`/NumPy RNGs are seeded from (game seed,
+    turn), so a game that draws from them (many do) plays the same way in any worker, on resume too. The
+    reward is the game's own for player 0 (`close()`; GuessTheNumber: 1 for a win, else how close the last
+    guess was), component "game"; an episode a limit cut before the game ended scores what the game gave
+    so far (0 when it gave nothing). task_args: any keyword of the game's constructor (e.g. max_turns).
+    """
+
+    name = "textarena"
+    eval_n_default = 32
+    max_turns = 10
+    step_cut_replies = True  # the game judges every output, a cut one too
+
+    def __init__(self, seed: int = 0, names: str = "", **game_args: Any) -> None:
+        super().__init__(seed)
+        import_library("textarena")
+        self.game_id = names.strip()
+        raw = f"{self.game_id}-raw"
+        registry = self.ta.envs.registration.ENV_REGISTRY
+        if self.game_id not in registry:
+            raise ConfigError(f"task textarena:{self.game_id}: no such game ({len(registry)} registered, e.g. "
+                              "GuessTheNumber-v0, TowerOfHanoi-v0, Minesweeper-v0)")
+        self.make_id = raw if raw in registry else self.game_id
+        self.game_args = game_args
+        self.rng = random.Random(seed)
+        probe = self.new_game(0)
+        if not isinstance(probe.state, self.ta.SinglePlayerState):
+            raise ConfigError(f"task textarena:{self.game_id}: not a single-player game (llmrl plays one player)")
+        self.max_turns = int(getattr(probe.state, "max_turns", None) or self.max_turns)
+        self._fresh: dict[int, list[Any]] = {}
+
+    @property
+    def ta(self):
+        """The textarena module (imported, not held: the environment is pickled into step workers)."""
+        import textarena
+
+        return textarena
+
+    def new_game(self, game_seed: int) -> Any:
+        try:
+            game = self.ta.make(self.make_id, **self.game_args)
+            game.reset(num_players=1, seed=game_seed)
+        except Exception as e:  # noqa: BLE001 - the library's own errors, e.g. a data file it cannot download
+            raise ConfigError(f"task textarena:{self.game_id}: the game could not start: {type(e).__name__}: {e}") from None
+        return game
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rng.setstate(state["rng"])
+
+    def example(self, game_seed: int) -> Example:
+        return Example(messages=[], answer=None, meta={"game_seed": game_seed})
+
+    def sample_train_batch(self, n: int) -> list[Example]:
+        return [self.example(self.rng.randrange(2**31)) for _ in range(n)]
+
+    def eval_examples(self, n: int) -> list[Example]:
+        stream = random.Random(self.seed + EVAL_SEED_OFFSET)
+        return [self.example(stream.randrange(2**31)) for _ in range(n)]
+
+    def observation_text(self, game: Any) -> str:
+        """The game's messages since the last call, but the player's own action."""
+        _, observations = game.get_observation()
+        kind = self.ta.ObservationType.PLAYER_ACTION
+        return "\n".join(message for _, message, what in observations or [] if what != kind).strip()
+
+    def reset(self, example: Example) -> list[dict[str, str]]:
+        game = self.new_game(example.meta["game_seed"])
+        self._fresh.setdefault(id(example), []).append(game)
+        return [{"role": "user", "content": self.observation_text(game)}]
+
+    def start(self, episode: Episode) -> None:
+        fresh = self._fresh.get(id(episode.example))
+        if fresh:
+            episode.state = {"game": fresh.pop()}
+            if not fresh:
+                del self._fresh[id(episode.example)]
+        else:
+            game = self.new_game(episode.example.meta["game_seed"])
+            self.observation_text(game)  # the prompt, already shown
+            episode.state = {"game": game}
+
+    def step(self, episode: Episode, reply: str) -> Turn:
+        import numpy as np
+
+        seed = hash((episode.example.meta["game_seed"], episode.replies)) % 2**32
+        random.seed(seed)  # per-episode RNG: the game's draws depend on its seed and turn only
+        np.random.seed(seed)
+        done, _ = episode.state["game"].step(reply)
+        if done:
+            return Turn(None)
+        return Turn([{"role": "user", "content": self.observation_text(episode.state["game"]) or "(no message)"}])
+
+    def reward(self, episode: Episode) -> Reward:
+        state = episode.state["game"].state
+        rewards = getattr(state, "rewards", None) or {}
+        value = float(rewards.get(0, 0.0))
+        info = (getattr(state, "game_info", None) or {}).get(0, {})
+        return Reward(total=value, components={"game": value},
+                      counts={"invalid_moves": int(bool(info.get("invalid_move")))})
+
+    def correct(self, episode: Episode) -> bool | None:
+        return self.reward(episode).total >= 1.0
+
+    def finish(self, episode: Episode) -> None:
+        self._fresh.pop(id(episode.example), None)
+
+
+class SkyRLGymEnv(Environment):
+    """SkyRL-gym environments (`--task skyrl_gym:gsm8k --dataset rows.jsonl`) on a dataset's rows.
+
+    A row is SkyRL's dataset format: `prompt` (chat messages or a text), `reward_spec` ({"ground_truth": …}),
+    optionally `env_class` (the row's own environment: a per-row choice; default the task's name) and `extras`;
+    the whole row goes to `skyrl_gym.make(env_class, env_config=task_args env_config, extras=row)`, one instance
+    per episode. `init(prompt)` gives the first messages; each reply is `step(reply)`: its observations are the
+    next messages, its reward is added to the episode's, `done` ends the episode. A reply cut by a token cap is
+    stepped too (SkyRL scores every output). The reward is the sum of the step rewards (component "reward");
+    the instance's `get_metrics()` numbers are logged as reward metrics (never summed). task_args: env_config
+    (a mapping), max_turns.
+    """
+
+    name = "skyrl_gym"
+    max_turns = 1
+    step_cut_replies = True
+
+    def __init__(self, seed: int = 0, names: str = "", data=None, env_config: dict[str, Any] | None = None,
+                 max_turns: int | None = None) -> None:
+        super().__init__(seed)
+        skyrl_gym = import_library("skyrl_gym")
+        self.env_class = names.strip()
+        if self.env_class not in skyrl_gym.registry:
+            raise ConfigError(f"task skyrl_gym:{self.env_class}: no such environment (registered: "
+                              f"{', '.join(sorted(skyrl_gym.registry))})")
+        if data is None:
+            raise ConfigError(f"task skyrl_gym:{self.env_class}: give its rows with --dataset (SkyRL's format: prompt, "
+                              "reward_spec, optional env_class)")
+        self.data, self.env_config = data, dict(env_config or {})
+        self.max_turns = int(max_turns or (5 if self.env_class.endswith("multi_turn") else 1))
+        self.eval_n_default = getattr(data, "eval_n_default", 32)
+        self._fresh: dict[int, list[Any]] = {}
+
+    def new_env(self, example: Example) -> Any:
+        import skyrl_gym
+        from omegaconf import OmegaConf
+
+        row = example.meta
+        return skyrl_gym.make(row.get("env_class") or self.env_class, env_config=OmegaConf.create(self.env_config),
+                              extras=row)
+
+    def sample_train_batch(self, n: int) -> list[Example]:
+        return self.data.sample_train_batch(n)
+
+    def eval_examples(self, n: int) -> list[Example]:
+        return self.data.eval_examples(n)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.data.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.data.load_state_dict(state)
+
+    def reset(self, example: Example) -> list[dict[str, str]]:
+        env = self.new_env(example)
+        messages, _ = env.init([dict(m) for m in example.messages])
+        self._fresh.setdefault(id(example), []).append(env)
+        return [dict(m) for m in messages]
+
+    def start(self, episode: Episode) -> None:
+        fresh = self._fresh.get(id(episode.example))
+        if fresh:
+            episode.state = fresh.pop()
+            if not fresh:
+                del self._fresh[id(episode.example)]
+        else:
+            episode.state = self.new_env(episode.example)
+            episode.state.init([dict(m) for m in episode.example.messages])
+
+    def step(self, episode: Episode, reply: str) -> Turn:
+        out = episode.state.step(reply)
+        parts = {"reward": float(out["reward"] or 0.0)}
+        if out["done"]:
+            return Turn(None, parts)
+        return Turn([{"role": m.get("role", "user"), "content": str(m.get("content", ""))} for m in out["observations"]]
+                    or [{"role": "user", "content": ""}], parts)
+
+    def reward(self, episode: Episode) -> Reward:
+        total = episode.parts.get("reward", 0.0)
+        metrics = {k: float(v) for k, v in (episode.state.get_metrics() if episode.state is not None else {}).items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        return Reward(total=total, components={"reward": total}, metrics=metrics)
+
+    def finish(self, episode: Episode) -> None:
+        for env in [episode.state, *self._fresh.pop(id(episode.example), [])]:
+            if env is not None:
+                env.close()
+
+
+LIBRARY_TASKS: dict[str, type] = {"reasoning_gym": ReasoningGymTask, "textarena": TextArenaEnv, "skyrl_gym": SkyRLGymEnv}
