@@ -142,6 +142,48 @@ class Environment:
         return out
 
 
+class OnRows:
+    """Mixin of an environment that plays the rows of a data task held in `self.data` (a dataset's): its
+    examples and the sampling state a checkpoint keeps are the data task's."""
+
+    data: Any
+
+    def sample_train_batch(self, n: int) -> list[Example]:
+        return self.data.sample_train_batch(n)
+
+    def eval_examples(self, n: int) -> list[Example]:
+        return self.data.eval_examples(n)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.data.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.data.load_state_dict(state)
+
+
+class Instances:
+    """Per-example instances of a library's environment: the one `reset` built the group's prompt with goes to
+    the group's first episode (`take`), the others are made new; `drop` returns those never taken."""
+
+    def __init__(self) -> None:
+        self.kept: dict[int, list[Any]] = {}
+
+    def keep(self, example: Example, instance: Any) -> None:
+        self.kept.setdefault(id(example), []).append(instance)
+
+    def take(self, example: Example, new: Callable[[], Any]) -> Any:
+        kept = self.kept.get(id(example))
+        if not kept:
+            return new()
+        instance = kept.pop()
+        if not kept:
+            del self.kept[id(example)]
+        return instance
+
+    def drop(self, example: Example) -> list[Any]:
+        return self.kept.pop(id(example), [])
+
+
 def prompt_text(example: Example, episode: Episode | None = None) -> str:
     """The prompt a log row shows: the last of the episode's first messages (what reset built), else the
     example's last message ("" when there is none)."""

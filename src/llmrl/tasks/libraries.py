@@ -25,7 +25,7 @@ from typing import Any
 
 from llmrl.errors import ConfigError, DataError
 from llmrl.tasks.base import Example, Judgement, Reward, SeededSampling, mean_of
-from llmrl.tasks.env import Environment, Episode, Turn
+from llmrl.tasks.env import Environment, Episode, Instances, OnRows, Turn
 
 EXTRAS = {"reasoning_gym": "reasoning-gym", "textarena": "textarena", "skyrl_gym": "skyrl-gym"}  # the library's module → its llmrl extra
 EVAL_SEED_OFFSET = 1_000_003
@@ -181,7 +181,7 @@ class TextArenaEnv(Environment):
         if not isinstance(probe.state, self.ta.SinglePlayerState):
             raise ConfigError(f"task textarena:{self.game_id}: not a single-player game (llmrl plays one player)")
         self.max_turns = int(getattr(probe.state, "max_turns", None) or self.max_turns)
-        self._fresh: dict[int, list[Any]] = {}
+        self.instances = Instances()
 
     @property
     def ta(self):
@@ -222,19 +222,16 @@ class TextArenaEnv(Environment):
 
     def reset(self, example: Example) -> list[dict[str, str]]:
         game = self.new_game(example.meta["game_seed"])
-        self._fresh.setdefault(id(example), []).append(game)
+        self.instances.keep(example, game)
         return [{"role": "user", "content": self.observation_text(game)}]
 
     def start(self, episode: Episode) -> None:
-        fresh = self._fresh.get(id(episode.example))
-        if fresh:
-            episode.state = {"game": fresh.pop()}
-            if not fresh:
-                del self._fresh[id(episode.example)]
-        else:
+        def new() -> Any:
             game = self.new_game(episode.example.meta["game_seed"])
             self.observation_text(game)  # the prompt, already shown
-            episode.state = {"game": game}
+            return game
+
+        episode.state = {"game": self.instances.take(episode.example, new)}
 
     def step(self, episode: Episode, reply: str) -> Turn:
         import numpy as np
@@ -259,10 +256,10 @@ class TextArenaEnv(Environment):
         return self.reward(episode).total >= 1.0
 
     def finish(self, episode: Episode) -> None:
-        self._fresh.pop(id(episode.example), None)
+        self.instances.drop(episode.example)
 
 
-class SkyRLGymEnv(Environment):
+class SkyRLGymEnv(OnRows, Environment):
     """SkyRL-gym environments (`--task skyrl_gym:gsm8k --dataset rows.jsonl`) on a dataset's rows.
 
     A row is SkyRL's dataset format: `prompt` (chat messages or a text), `reward_spec` ({"ground_truth": …}),
@@ -293,7 +290,7 @@ class SkyRLGymEnv(Environment):
         self.data, self.env_config = data, dict(env_config or {})
         self.max_turns = int(max_turns or (5 if self.env_class.endswith("multi_turn") else 1))
         self.eval_n_default = getattr(data, "eval_n_default", 32)
-        self._fresh: dict[int, list[Any]] = {}
+        self.instances = Instances()
 
     def new_env(self, example: Example) -> Any:
         import skyrl_gym
@@ -303,33 +300,19 @@ class SkyRLGymEnv(Environment):
         return skyrl_gym.make(row.get("env_class") or self.env_class, env_config=OmegaConf.create(self.env_config),
                               extras=row)
 
-    def sample_train_batch(self, n: int) -> list[Example]:
-        return self.data.sample_train_batch(n)
-
-    def eval_examples(self, n: int) -> list[Example]:
-        return self.data.eval_examples(n)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.data.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.data.load_state_dict(state)
-
     def reset(self, example: Example) -> list[dict[str, str]]:
         env = self.new_env(example)
         messages, _ = env.init([dict(m) for m in example.messages])
-        self._fresh.setdefault(id(example), []).append(env)
+        self.instances.keep(example, env)
         return [dict(m) for m in messages]
 
     def start(self, episode: Episode) -> None:
-        fresh = self._fresh.get(id(episode.example))
-        if fresh:
-            episode.state = fresh.pop()
-            if not fresh:
-                del self._fresh[id(episode.example)]
-        else:
-            episode.state = self.new_env(episode.example)
-            episode.state.init([dict(m) for m in episode.example.messages])
+        def new() -> Any:
+            env = self.new_env(episode.example)
+            env.init([dict(m) for m in episode.example.messages])
+            return env
+
+        episode.state = self.instances.take(episode.example, new)
 
     def step(self, episode: Episode, reply: str) -> Turn:
         out = episode.state.step(reply)
@@ -346,7 +329,7 @@ class SkyRLGymEnv(Environment):
         return Reward(total=total, components={"reward": total}, metrics=metrics)
 
     def finish(self, episode: Episode) -> None:
-        for env in [episode.state, *self._fresh.pop(id(episode.example), [])]:
+        for env in [episode.state, *self.instances.drop(episode.example)]:
             if env is not None:
                 env.close()
 

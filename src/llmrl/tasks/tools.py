@@ -34,7 +34,7 @@ from typing import Any
 
 from llmrl.errors import ConfigError
 from llmrl.tasks.base import Example, Reward
-from llmrl.tasks.env import Environment, Episode, Turn
+from llmrl.tasks.env import Environment, Episode, Instances, OnRows, Turn
 
 HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 TAG_CALL = re.compile(r"<(?P<name>[A-Za-z_][A-Za-z0-9_]*)>(?P<arg>.*?)</(?P=name)>", re.DOTALL)
@@ -141,7 +141,7 @@ def accepted(fn: Callable, row: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in row.items() if k in names}
 
 
-class FactoryEnvironment(Environment):
+class FactoryEnvironment(OnRows, Environment):
     """A TRL environment_factory class as an llmrl environment, on the rows of a dataset task."""
 
     name = "environment_factory"
@@ -166,7 +166,7 @@ class FactoryEnvironment(Environment):
             raise ConfigError(f"environment_factory={spec!r}: nothing scores an episode: give --reward_funcs, a "
                               "get_reward method, or a dataset answer column for the grader")
         self.eval_n_default = getattr(data, "eval_n_default", 32)
-        self._fresh: dict[int, list[Any]] = {}  # id(example) -> the instance reset built its prompt with
+        self.instances = Instances()  # the instance reset built a group's prompt with
 
     def new_instance(self) -> Any:
         try:
@@ -174,18 +174,6 @@ class FactoryEnvironment(Environment):
         except Exception as e:  # noqa: BLE001 - the user's constructor
             raise ConfigError(f"environment_factory={self.spec!r}: building an instance raised "
                               f"{type(e).__name__}: {e}") from None
-
-    def sample_train_batch(self, n: int) -> list[Example]:
-        return self.data.sample_train_batch(n)
-
-    def eval_examples(self, n: int) -> list[Example]:
-        return self.data.eval_examples(n)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.data.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.data.load_state_dict(state)
 
     def _reset(self, instance: Any, example: Example) -> Any:
         return instance.reset(**accepted(instance.reset, example.meta))
@@ -195,21 +183,19 @@ class FactoryEnvironment(Environment):
         (the group's episodes share this prompt; each gets its own instance, reset with the same row)."""
         instance = self.factory()
         observation = self._reset(instance, example)
-        self._fresh.setdefault(id(example), []).append(instance)
+        self.instances.keep(example, instance)
         messages = [dict(m) for m in example.messages]
         if observation is not None:
             messages[-1]["content"] += str(observation)
         return messages
 
     def start(self, episode: Episode) -> None:
-        fresh = self._fresh.get(id(episode.example))
-        if fresh:
-            episode.state = fresh.pop()
-            if not fresh:
-                del self._fresh[id(episode.example)]
-        else:
-            episode.state = self.factory()
-            self._reset(episode.state, episode.example)
+        def new() -> Any:
+            instance = self.factory()
+            self._reset(instance, episode.example)
+            return instance
+
+        episode.state = self.instances.take(episode.example, new)
 
     def step(self, episode: Episode, reply: str) -> Turn:
         tools = public_methods(episode.state)
@@ -232,7 +218,7 @@ class FactoryEnvironment(Environment):
         return self.data.reward(episode.example, episode.last_reply)
 
     def finish(self, episode: Episode) -> None:
-        for fresh in self._fresh.pop(id(episode.example), []):
+        for fresh in self.instances.drop(episode.example):
             close = getattr(fresh, "close", None)
             if callable(close):
                 close()
