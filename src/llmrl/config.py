@@ -42,7 +42,7 @@ def doc(default: Any, help: str, **kw: Any) -> Any:
 class TrainConfig:
     # what to train
     model: str = doc("Qwen/Qwen2.5-Math-1.5B-Instruct", "hub id, local HF directory, .gguf file, or alias smollm2-135m-instruct")
-    task: str = doc("format_copy", "task: format_copy, math_hard, a registered reward, or module:Name / file.py:Name (class or reward function)")
+    task: str = doc("format_copy", "task: format_copy, math_hard, a registered reward, module:Name / file.py:Name (class or reward function), LIBRARY:NAME, or a,b (a weighted mixture: task_args weights)")
     dataset: str | None = doc(None, "questions and answers to train on (task dataset, implied): a JSONL/Parquet/CSV "
                                     "file, a directory of them, or a hub id")
     dataset_config: str | None = doc(None, "the hub dataset's configuration (e.g. main for openai/gsm8k)")

@@ -17,6 +17,7 @@ from llmrl.tasks.format_copy import FormatCopyTask
 from llmrl.tasks.guess import GuessEnv
 from llmrl.tasks.libraries import is_library_task, library_task
 from llmrl.tasks.math_hard import MathHardTask
+from llmrl.tasks.mixture import MixtureTask, mixture_parts
 
 TASKS: dict[str, type] = {
     "format_copy": FormatCopyTask,
@@ -46,6 +47,14 @@ def make_task(name: str, seed: int, math_data: str | None = None, prompts: str |
     time_limit, workers) go to math_hard; `task_args` to the task's constructor (a class task or
     environment, built-in or the user's), as keywords beside `seed`."""
     args = dict(task_args or {})
+    parts = mixture_parts(name, is_single_task_name)
+    if parts is not None:  # a, b: a weighted mixture; task_args holds each task's own and the weights
+        unknown = set(args) - set(parts) - {"weights"}
+        if unknown:
+            raise ConfigError(f"task={name!r}: task_args of a mixture are one mapping per task and weights; "
+                              f"{sorted(unknown)} is neither")
+        tasks = {p: make_task(p, seed, math_data, prompts, args.get(p), **math_options) for p in parts}
+        return MixtureTask(seed, tasks, args.get("weights"))
     if name == "math_hard":
         return construct(name, MathHardTask, dict(seed=seed, data=math_data, **math_options) | args)
     if name in TASKS:
@@ -101,7 +110,12 @@ def factory_environment(cfg, options: dict[str, Any]) -> Environment:
 
 
 def is_task_name(name: str) -> bool:
-    """A registered name, an existing `file.py:Name`, or something shaped like `package.module:Name`."""
+    """A registered name, an existing `file.py:Name`, something shaped like `package.module:Name`, or a
+    comma-separated mixture of these (tasks/mixture.py)."""
+    return is_single_task_name(name) or mixture_parts(name, is_single_task_name) is not None
+
+
+def is_single_task_name(name: str) -> bool:
     module, sep, attr = name.rpartition(":")
     if name in TASKS or name in REWARD_FUNCTIONS or is_library_task(name):
         return True
@@ -111,7 +125,11 @@ def is_task_name(name: str) -> bool:
 
 
 def is_task_code(task: str) -> bool:
-    """A `file.py:Name` or `module:Name` spec that is not a registered name: loading it runs code."""
+    """A `file.py:Name` or `module:Name` spec that is not a registered name (or a mixture holding one):
+    loading it runs code."""
+    parts = mixture_parts(task, is_single_task_name)
+    if parts is not None:
+        return any(is_task_code(p) for p in parts)
     module, sep, _ = task.rpartition(":")
     return bool(sep and module) and task not in TASKS and task not in REWARD_FUNCTIONS and not is_library_task(task)
 

@@ -15,6 +15,7 @@ class Example:
     messages: list[dict[str, str]]  # chat messages (system, user) rendered by the model's template
     answer: Any  # what the grader compares against (an int for format_copy, a gold string for math)
     meta: dict[str, Any] = field(default_factory=dict)
+    source: str | None = None  # in a mixture (tasks/mixture.py): the name of the task it came from
 
 
 @dataclass

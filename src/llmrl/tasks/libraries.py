@@ -145,7 +145,7 @@ class ReasoningGymTask(SeededSampling):
         return out
 
 
-class TextArenaEnv(Environment):
+class TextArenaEnv(SeededSampling, Environment):
     """A single-player TextArena game (`--task textarena:GuessTheNumber-v0`) as an environment.
 
     Each example is one game, named by its seed: training games draw seeds from the run's seed, eval games
@@ -197,12 +197,6 @@ class TextArenaEnv(Environment):
         except Exception as e:  # noqa: BLE001 - the library's own errors, e.g. a data file it cannot download
             raise ConfigError(f"task textarena:{self.game_id}: the game could not start: {type(e).__name__}: {e}") from None
         return game
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"rng": self.rng.getstate()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.rng.setstate(state["rng"])
 
     def example(self, game_seed: int) -> Example:
         return Example(messages=[], answer=None, meta={"game_seed": game_seed})
