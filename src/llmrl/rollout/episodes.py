@@ -355,7 +355,8 @@ def episode_runner(cfg, env, tokenizer, eos: list[int], device: torch.device | s
         end_text = tokenizer.decode([end_of_turn(tokenizer, eos or [tokenizer.eos_token_id])])
         check_template(tokenizer, end_text, tools)
         limits.framing = message_overhead(tokenizer, end_text, tools) + len(text_ids(tokenizer, TRUNCATED))
-    steps = None if single else env_steps(cfg.env_isolation, env, cfg.env_workers)
+    # an environment whose episodes hold live connections (openenv) requires threads
+    steps = None if single else env_steps(getattr(env, "required_isolation", None) or cfg.env_isolation, env, cfg.env_workers)
     return EpisodeRunner(env, tokenizer, limits, eos, device, steps)
 
 

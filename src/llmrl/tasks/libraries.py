@@ -27,7 +27,7 @@ from llmrl.errors import ConfigError, DataError
 from llmrl.tasks.base import Example, Judgement, Reward, SeededSampling, mean_of
 from llmrl.tasks.env import Environment, Episode, Instances, OnRows, Turn
 
-EXTRAS = {"reasoning_gym": "reasoning-gym", "textarena": "textarena", "skyrl_gym": "skyrl-gym"}  # the library's module → its llmrl extra
+EXTRAS = {"reasoning_gym": "reasoning-gym", "textarena": "textarena", "skyrl_gym": "skyrl-gym", "openenv": "openenv"}  # the library's module → its llmrl extra
 EVAL_SEED_OFFSET = 1_000_003
 
 
@@ -145,7 +145,26 @@ class ReasoningGymTask(SeededSampling):
         return out
 
 
-class TextArenaEnv(SeededSampling, Environment):
+class SeededGames(SeededSampling):
+    """Mixin of an environment whose examples are games named by a seed (no messages: reset builds them):
+    training seeds from the run's seed (checkpointed), eval seeds from a separate stream (every eval plays
+    the same games)."""
+
+    seed: int
+    rng: random.Random
+
+    def example(self, game_seed: int) -> Example:
+        return Example(messages=[], answer=None, meta={"game_seed": game_seed})
+
+    def sample_train_batch(self, n: int) -> list[Example]:
+        return [self.example(self.rng.randrange(2**31)) for _ in range(n)]
+
+    def eval_examples(self, n: int) -> list[Example]:
+        stream = random.Random(self.seed + EVAL_SEED_OFFSET)
+        return [self.example(stream.randrange(2**31)) for _ in range(n)]
+
+
+class TextArenaEnv(SeededGames, Environment):
     """A single-player TextArena game (`--task textarena:GuessTheNumber-v0`) as an environment.
 
     Each example is one game, named by its seed: training games draw seeds from the run's seed, eval games
@@ -197,16 +216,6 @@ class TextArenaEnv(SeededSampling, Environment):
         except Exception as e:  # noqa: BLE001 - the library's own errors, e.g. a data file it cannot download
             raise ConfigError(f"task textarena:{self.game_id}: the game could not start: {type(e).__name__}: {e}") from None
         return game
-
-    def example(self, game_seed: int) -> Example:
-        return Example(messages=[], answer=None, meta={"game_seed": game_seed})
-
-    def sample_train_batch(self, n: int) -> list[Example]:
-        return [self.example(self.rng.randrange(2**31)) for _ in range(n)]
-
-    def eval_examples(self, n: int) -> list[Example]:
-        stream = random.Random(self.seed + EVAL_SEED_OFFSET)
-        return [self.example(stream.randrange(2**31)) for _ in range(n)]
 
     def observation_text(self, game: Any) -> str:
         """The game's messages since the last call, but the player's own action."""
@@ -328,4 +337,88 @@ class SkyRLGymEnv(OnRows, Environment):
                 env.close()
 
 
-LIBRARY_TASKS: dict[str, type] = {"reasoning_gym": ReasoningGymTask, "textarena": TextArenaEnv, "skyrl_gym": SkyRLGymEnv}
+class OpenEnvEnv(SeededGames, Environment):
+    """An OpenEnv environment server (`--task openenv:http://HOST:PORT`) played over its own client.
+
+    Each episode is one session of OpenEnv's `GenericEnvClient(base_url=URL).sync()` (a WebSocket of its own):
+    `reset(seed=game seed)`, then each reply is `step({action_field: reply})`; the observation's text (its
+    `observation_field`, else its only text field, else the observation as JSON) is the next user message, the
+    step rewards add up to the episode's reward (component "reward"), `done` ends it; a cut reply is stepped
+    too. Examples are seeds, as for TextArena (eval: a separate stream). A session is a live connection, so
+    steps run on threads of the trainer whatever env_isolation says (the server is the process that holds
+    the game; env_timeout still bounds a step). task_args: action_field ("message"), observation_field,
+    system_prompt, max_turns, message_timeout (seconds).
+    """
+
+    name = "openenv"
+    max_turns = 8
+    step_cut_replies = True
+    required_isolation = "thread"  # a session's client cannot be pickled into a worker process
+
+    def __init__(self, seed: int = 0, names: str = "", action_field: str = "message",
+                 observation_field: str | None = None, system_prompt: str = "", max_turns: int | None = None,
+                 message_timeout: float = 60.0) -> None:
+        super().__init__(seed)
+        import_library("openenv")
+        self.url = names.strip()
+        if not self.url.startswith(("http://", "https://", "ws://", "wss://")):
+            raise ConfigError(f"task openenv:{self.url}: name the server's URL, e.g. openenv:http://127.0.0.1:8000")
+        self.action_field, self.observation_field = action_field, observation_field
+        self.system, self.message_timeout = system_prompt, float(message_timeout)
+        self.max_turns = int(max_turns or self.max_turns)
+        self.rng = random.Random(seed)
+        self.instances = Instances()
+        probe = self.session(0)  # a server that is not there is one line now, not an env_error per episode
+        probe[0].close()
+
+    def session(self, game_seed: int) -> tuple[Any, Any]:
+        """(a connected client, its reset result)."""
+        from openenv.core.generic_client import GenericEnvClient
+
+        try:
+            client = GenericEnvClient(base_url=self.url, message_timeout_s=self.message_timeout).sync()
+            return client, client.reset(seed=game_seed)
+        except Exception as e:  # noqa: BLE001 - connection refused, a handshake error, the server's own
+            raise ConfigError(f"task openenv:{self.url}: no session: {type(e).__name__}: {e}"[:300]) from None
+
+    def text(self, observation: Any) -> str:
+        """An observation's text: observation_field, else its only text field, else the whole as JSON."""
+        import json
+
+        if not isinstance(observation, dict):
+            return str(observation)
+        if self.observation_field is not None:
+            return str(observation.get(self.observation_field, ""))
+        texts = [v for k, v in observation.items() if isinstance(v, str) and k not in ("metadata",)]
+        if len(texts) == 1:
+            return texts[0]
+        return json.dumps({k: v for k, v in observation.items() if k not in ("done", "reward", "metadata")})
+
+    def reset(self, example: Example) -> list[dict[str, str]]:
+        client, first = self.session(example.meta["game_seed"])
+        self.instances.keep(example, client)
+        return ([{"role": "system", "content": self.system}] if self.system else []) + [
+            {"role": "user", "content": self.text(first.observation)}]
+
+    def start(self, episode: Episode) -> None:
+        episode.state = self.instances.take(episode.example, lambda: self.session(episode.example.meta["game_seed"])[0])
+
+    def step(self, episode: Episode, reply: str) -> Turn:
+        result = episode.state.step({self.action_field: reply})
+        parts = {"reward": float(result.reward or 0.0)}
+        if result.done:
+            return Turn(None, parts)
+        return Turn([{"role": "user", "content": self.text(result.observation)}], parts)
+
+    def reward(self, episode: Episode) -> Reward:
+        total = episode.parts.get("reward", 0.0)
+        return Reward(total=total, components={"reward": total})
+
+    def finish(self, episode: Episode) -> None:
+        for client in [episode.state, *self.instances.drop(episode.example)]:
+            if client is not None:
+                client.close()
+
+
+LIBRARY_TASKS: dict[str, type] = {"reasoning_gym": ReasoningGymTask, "textarena": TextArenaEnv, "skyrl_gym": SkyRLGymEnv,
+                                  "openenv": OpenEnvEnv}
