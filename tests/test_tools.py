@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llmrl.chat_templates import CHATML_TOOLS
 from llmrl.rollout.base import Sampling
-from llmrl.rollout.episodes import Limits, check_template, run_episodes
+from llmrl.rollout.episodes import Limits, check_template, run_episodes, shows_tools
 from llmrl.tasks.base import Example
 from llmrl.tasks.tools import ToolCall, parse_tool_calls, run_tool, tool_schema
 
@@ -78,6 +78,9 @@ def test_chatml_tools_renders_as_the_embedded_template_without_tools_and_shows_t
     assert json.dumps(schema) in text and "<tool_call>" in text
     assert text.endswith("<|im_start|>user\n<tool_response>\n6\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
     check_template(tok, "<|im_end|>", [schema])  # tool results append as a prefix-preserving delta
+    assert shows_tools(tok, [schema])
+    tok.chat_template = AutoTokenizer.from_pretrained(embedded_path).chat_template
+    assert not shows_tools(tok, [schema])  # SmolLM2's own template ignores tools: a warning at start
 
 
 class Replies:

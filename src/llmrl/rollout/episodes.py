@@ -20,6 +20,7 @@ wrong kind ends its episode like a raise (env_error, reward 0, counted), never t
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +104,13 @@ def end_of_turn(tokenizer, eos: list[int]) -> int:
                           f"{[tokenizer.decode([e]) for e in eos]} (it writes {after[:20]!r}): the policy's replies "
                           "cannot be continued token for token")
     return first[0]
+
+
+def shows_tools(tokenizer, tools: list[dict]) -> bool:
+    """Whether the chat template renders `tools` at all (a template without tool support ignores them)."""
+    messages = [{"role": "user", "content": "Hi."}]
+    return (tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+            != tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
 
 
 def check_template(tokenizer, end_text: str, tools: list[dict] | None = None) -> None:
@@ -350,8 +358,12 @@ def episode_runner(cfg, env, tokenizer, eos: list[int], device: torch.device | s
         budget = cfg.episode_tokens or turns * cfg.max_new_tokens
     limits = Limits(max_turns=turns, episode_tokens=budget, reply_tokens=cfg.max_new_tokens,
                     env_tokens=cfg.max_env_tokens, env_timeout=cfg.env_timeout)
+    tools = None if single else getattr(env, "tool_schemas", None) or None
+    if tools and not shows_tools(tokenizer, tools):
+        print("llmrl: warning: the chat template does not show tools (rendering with tools= changes nothing): the "
+              "model never sees the tools' schemas; use a template with tools (--chat_template chatml-tools for "
+              "ChatML models, or --chat_template FILE)", file=sys.stderr)
     if turns > 1:
-        tools = getattr(env, "tool_schemas", None) or None
         end_text = tokenizer.decode([end_of_turn(tokenizer, eos or [tokenizer.eos_token_id])])
         check_template(tokenizer, end_text, tools)
         limits.framing = message_overhead(tokenizer, end_text, tools) + len(text_ids(tokenizer, TRUNCATED))
