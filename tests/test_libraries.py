@@ -51,6 +51,27 @@ def test_a_mixture_logs_each_datasets_score_and_full_credit_only_counts_for_pass
     assert 0.65 < picked.count("chain_sum") / 400 < 0.85  # weights 3:1 → 0.75 (±0.1 is > 4 binomial sd)
 
 
+def test_shots_are_solved_turns_taken_out_of_the_training_pool_and_never_eval_items():
+    task = make_task("reasoning_gym:spell_backward", seed=5,
+                     task_args={"size": 23, "eval_size": 17, "shots": 2, "system_prompt": ""})
+    ds = rg.create_dataset("spell_backward", size=23, seed=5)
+    shot_items = [ds[0], ds[1]]
+    ex = task.sample_train_batch(1)[0]
+    assert ex.messages[:4] == [m for item in shot_items for m in (
+        {"role": "user", "content": item["question"]},
+        {"role": "assistant", "content": f"<answer>{item['answer']}</answer>"})]
+    assert ex.messages[4] == {"role": "user", "content": ex.meta["item"]["question"]} and len(ex.messages) == 5
+    pool = {ex.meta["item"]["question"] for ex in task.sample_train_batch(400)}
+    assert pool == {ds[i]["question"] for i in range(2, 23)}  # 21 items, each drawn in 400 tries (P miss < 1e-7)
+    assert task.data_report["datasets"]["spell_backward"]["train"] == 21
+    evals = task.eval_examples(17)
+    assert evals and not {e.meta["item"]["question"] for e in evals} & {ds[i]["question"] for i in range(23)}
+    assert all(e.messages[:4] == ex.messages[:4] for e in evals)
+    for bad in (-1, 23, 1.5, True):
+        with pytest.raises(ConfigError, match="shots"):
+            make_task("reasoning_gym:spell_backward", seed=5, task_args={"size": 23, "shots": bad})
+
+
 def test_reasoning_gym_mistakes_are_one_line():
     with pytest.raises(ConfigError, match="no dataset 'no_such_set'"):
         make_task("reasoning_gym:no_such_set", seed=0)
@@ -250,3 +271,18 @@ def test_an_openenv_server_trains_multi_turn_from_the_cli(tmp_path, tiny_model_d
     assert p.returncode == 0, p.stderr[-2000:]
     train = [r for r in read_jsonl(out / "metrics.jsonl") if "reward/mean" in r]
     assert [r["step"] for r in train] == [1, 2] and all(r["rollout/turns"] > 1 and r["rollout/env_errors"] == 0 for r in train)
+
+
+def test_the_reasoning_gym_config_builds_its_task_as_documented():
+    """configs/reasoning_gym.yaml loads, and its task is spell_backward on 3-4 letter words behind two solved
+    turns (what the README's learning figure ran)."""
+    from pathlib import Path
+
+    from llmrl import load_config
+
+    cfg = load_config(Path(__file__).parent.parent / "configs" / "reasoning_gym.yaml")
+    task = make_task(cfg.task, seed=cfg.seed, task_args=cfg.task_args)
+    ex = task.sample_train_batch(1)[0]
+    assert len(ex.messages) == 5 and ex.messages[1]["content"].startswith("<answer>")  # no system prompt, 2 shots
+    words = [e.meta["item"]["metadata"]["word"] for e in task.eval_examples(200)]
+    assert words and all(3 <= len(w) <= 4 for w in words)

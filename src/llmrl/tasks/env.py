@@ -26,7 +26,8 @@ config's `task_args` as keywords beside `seed`.
 How it maps onto other tools' environments: TRL's `environment_factory` builds one environment per
 rollout whose tool methods answer each reply, as `step` does here, and whose `reset(**row)` gives the
 first message, as `reset` does. verifiers (v1) scores a taskset with weighted `@vf.reward` methods:
-they are a Reward's components, their weighted sum its total (its multi-turn harnesses are not mapped).
+they are a Reward's components, their weighted sum its total (`--task verifiers:ID`, tasks/libraries.py;
+its harnesses, agent programs that call the model over HTTP, are not mapped).
 """
 
 from __future__ import annotations

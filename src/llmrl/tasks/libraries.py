@@ -3,6 +3,10 @@ llmrl's torch and transformers as they are).
 
     --task reasoning_gym:chain_sum                     pip install "llmrl[reasoning-gym]"
     --task reasoning_gym:chain_sum,spell_backward      a mixture (task_args weights: {name: weight})
+    --task textarena:GuessTheNumber-v0                 pip install "llmrl[textarena]"
+    --task skyrl_gym:gsm8k --dataset rows.jsonl        pip install "llmrl[skyrl-gym]"
+    --task openenv:http://HOST:PORT                    pip install "llmrl[openenv]"
+    --task verifiers:TASKSET                           pip install "llmrl[verifiers]"  (single-turn tasksets)
 
 reasoning-gym: procedural datasets (`reasoning_gym.create_dataset(name, size=, seed=, **config)`), each
 item scored by the dataset's own `score_answer(extract_answer(completion), item)` (partial credit where
@@ -10,7 +14,10 @@ the dataset gives it), with reasoning-gym's default system prompt asking for `<a
 Training items come from `size` items seeded by the run's seed; eval items from another seed, minus any
 whose question is also a training item (the data report counts them). task_args: size, eval_size,
 weights ({name: weight}), configs ({name: {option: value}}: the dataset's own options), system_prompt
-(one of reasoning-gym's SYSTEM_PROMPTS names, or text).
+(one of reasoning-gym's SYSTEM_PROMPTS names, text, or "" for none), shots (k solved items of each dataset
+shown before the question as earlier turns, user question then assistant `<answer>gold</answer>`; they
+are the dataset's first k training items, taken out of the training pool. A small model that ignores the
+system prompt's format copies it from these turns).
 
 Logged: reward/score (the mean score), and with several datasets reward/<name> (each dataset's mean score
 over its own rows, a metric outside the total); eval/score, eval/correct (full credit) and, with several
@@ -27,7 +34,8 @@ from llmrl.errors import ConfigError, DataError
 from llmrl.tasks.base import Example, Judgement, Reward, SeededSampling, mean_of
 from llmrl.tasks.env import Environment, Episode, Instances, OnRows, Turn
 
-EXTRAS = {"reasoning_gym": "reasoning-gym", "textarena": "textarena", "skyrl_gym": "skyrl-gym", "openenv": "openenv"}  # the library's module → its llmrl extra
+EXTRAS = {"reasoning_gym": "reasoning-gym", "textarena": "textarena", "skyrl_gym": "skyrl-gym", "openenv": "openenv",
+          "verifiers": "verifiers"}  # the library's module → its llmrl extra
 EVAL_SEED_OFFSET = 1_000_003
 
 
@@ -60,7 +68,7 @@ class ReasoningGymTask(SeededSampling):
 
     def __init__(self, seed: int = 0, names: str = "", size: int = 5000, eval_size: int = 256,
                  weights: dict[str, float] | None = None, configs: dict[str, dict[str, Any]] | None = None,
-                 system_prompt: str = "default"):
+                 system_prompt: str = "default", shots: int = 0):
         rg = import_library("reasoning_gym")
         from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer
 
@@ -78,7 +86,10 @@ class ReasoningGymTask(SeededSampling):
         self.weights = [float(weights.get(n, 1.0)) for n in self.names]
         if not all(w >= 0 for w in self.weights) or not any(self.weights):
             raise ConfigError(f"task_args weights {weights}: must be non-negative, not all 0")
+        if not isinstance(shots, int) or isinstance(shots, bool) or not 0 <= shots < size:
+            raise ConfigError(f"task_args shots {shots!r}: a whole number of solved turns, 0 <= shots < size {size}")
         self.system = SYSTEM_PROMPTS.get(system_prompt, system_prompt)
+        self.shots: dict[str, list[dict[str, str]]] = {}
         self.rng = random.Random(seed)
         self.datasets, self.train, self.eval = {}, {}, []
         report: dict[str, Any] = {"datasets": {}}
@@ -89,8 +100,12 @@ class ReasoningGymTask(SeededSampling):
             except Exception as e:  # noqa: BLE001 - a bad option of the dataset's own config
                 raise ConfigError(f"task reasoning_gym:{n}: create_dataset raised {type(e).__name__}: {e}") from None
             self.datasets[n] = ds
-            self.train[n] = [ds[i] for i in range(len(ds))]
-            seen = {item["question"] for item in self.train[n]}
+            items = [ds[i] for i in range(len(ds))]
+            self.shots[n] = [turn for item in items[:shots] for turn in (
+                {"role": "user", "content": item["question"]},
+                {"role": "assistant", "content": f"<answer>{item['answer']}</answer>"})]
+            self.train[n] = items[shots:]
+            seen = {item["question"] for item in items}
             fresh = [item for item in (held[i] for i in range(len(held))) if item["question"] not in seen]
             self.eval += [(n, item) for item in fresh]
             report["datasets"][n] = {"train": len(self.train[n]), "eval": len(fresh),
@@ -105,7 +120,7 @@ class ReasoningGymTask(SeededSampling):
                 pair for n in self.names for pair in by_name[n][min(map(len, by_name.values())):]]
 
     def example(self, name: str, item: dict[str, Any]) -> Example:
-        messages = ([{"role": "system", "content": self.system}] if self.system else []) + [
+        messages = ([{"role": "system", "content": self.system}] if self.system else []) + self.shots[name] + [
             {"role": "user", "content": item["question"]}]
         return Example(messages=messages, answer=item["answer"], meta={"dataset": name, "item": item})
 
@@ -420,5 +435,150 @@ class OpenEnvEnv(SeededGames, Environment):
                 client.close()
 
 
+class VerifiersTask(SeededSampling):
+    """A verifiers (v1) taskset, each reply scored by the taskset's own weighted `@vf.reward` methods.
+
+    `--task verifiers:ID` loads the taskset as verifiers does (`vf.load_taskset`: the module
+    `verifiers.v1.tasksets.ID` or an installed module `ID` exporting one Taskset subclass in `__all__`).
+    Its rows are single-turn examples: the prompt the chat harness shows (the task's system_prompt, then its
+    prompt), one reply, then `Task.score` on a trace of that conversation. Each reward's score is a
+    component (unweighted, reward/<name>), the total is verifiers' own `trace.reward` (the weighted sum),
+    `@vf.metric` values are metrics (never summed); a reward that raises is a reward error, as any task's. A taskset that needs a harness (a runtime, a container, tool servers, an LLM judge, or its own
+    Env that drives the turns) is refused at start: llmrl samples the replies itself, so it cannot run a
+    harness's agent program (see docs/environments.md).
+
+    task_args: config (the taskset's own TasksetConfig fields, e.g. a split), eval_config (another config
+    whose rows are the eval set; without it `eval_size` rows are held out of the shuffled rows by the run's
+    seed), size (rows read from an infinite taskset, default 5000), eval_size (default a fifth of the rows, at
+    most 64).
+    """
+
+    name = "verifiers"
+    eval_n_default = 64
+
+    def __init__(self, seed: int = 0, names: str = "", config: dict[str, Any] | None = None,
+                 eval_config: dict[str, Any] | None = None, size: int = 5000, eval_size: int | None = None):
+        import_library("verifiers")
+        from verifiers.v1.utils import loaders
+
+        self.vf = importlib.import_module("verifiers.v1")
+        self.rng = random.Random(seed)
+        taskset_id = names.strip()
+        if not taskset_id or "," in taskset_id:
+            raise ConfigError(f"task verifiers:{names}: name one taskset (verifiers:ID)")
+        try:
+            cls = loaders.taskset_class(taskset_id)
+        except Exception as e:  # noqa: BLE001 - not found, no __all__, several subclasses: verifiers' own words
+            raise ConfigError(f"task verifiers:{taskset_id}: {type(e).__name__}: {e}") from None
+        if loaders.environment_class(taskset_id, "") is not loaders.SingleAgentEnv:
+            raise ConfigError(f"task verifiers:{taskset_id}: the taskset brings its own Env, which drives the turns "
+                              "through a harness; llmrl runs single-turn tasksets only (not yet supported)")
+        self.report: dict[str, Any] = {"taskset": taskset_id}
+        rows = self.rows(cls, taskset_id, config, size)
+        if eval_config is not None:
+            self.train, self.eval = rows, self.rows(cls, taskset_id, eval_config, size)
+            self.report |= {"train": len(self.train), "eval": len(self.eval), "eval_from": "eval_config"}
+        else:
+            eval_size = min(64, max(1, len(rows) // 5)) if eval_size is None else eval_size
+            if not isinstance(eval_size, int) or not 0 < eval_size < len(rows):
+                raise ConfigError(f"task verifiers:{taskset_id}: eval_size {eval_size} must be between 1 and the "
+                                  f"{len(rows)} rows - 1 (or give eval_config)")
+            order = list(range(len(rows)))
+            random.Random(seed + EVAL_SEED_OFFSET).shuffle(order)
+            self.eval = [rows[i] for i in order[:eval_size]]
+            self.train = [rows[i] for i in sorted(order[eval_size:])]
+            self.report |= {"train": len(self.train), "eval": len(self.eval), "eval_from": "held out by seed"}
+        self.data_report = self.report
+        for task in self.train[:1] + self.eval[:1]:
+            self.refuse_harness(taskset_id, task)
+
+    def rows(self, cls: type, taskset_id: str, config: dict[str, Any] | None, size: int) -> list[Any]:
+        from itertools import islice
+
+        from verifiers.v1.utils.generic import concrete_type
+
+        config_type = concrete_type(cls, self.vf.TasksetConfig) or self.vf.TasksetConfig
+        try:
+            taskset = cls(config_type.model_validate({**(config or {}), "id": taskset_id}))
+            rows = list(islice(iter(taskset), size))
+        except Exception as e:  # noqa: BLE001 - a bad config field, or load() failing: one line
+            raise ConfigError(f"task verifiers:{taskset_id}: the taskset did not load ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        if not rows:
+            raise DataError(f"task verifiers:{taskset_id}: the taskset yielded no rows")
+        if cls.toolsets(taskset.config):
+            raise ConfigError(f"task verifiers:{taskset_id}: the taskset serves tools (toolsets), which a harness "
+                              "runs; not yet supported")
+        return rows
+
+    def refuse_harness(self, taskset_id: str, task: Any) -> None:
+        import inspect
+
+        def needs(fn: Any) -> bool:
+            param = inspect.signature(fn).parameters.get("runtime")
+            return param is not None and param.default is inspect.Parameter.empty
+
+        needs_runtime = [fn.__name__ for fn in (*task.hooks("reward"), *task.hooks("metric")) if needs(fn)]
+        why = ("a container (NEEDS_CONTAINER)" if task.NEEDS_CONTAINER else
+               f"a runtime for {', '.join(needs_runtime)}" if needs_runtime else
+               "an LLM judge (config judges)" if task.config.judges else None)
+        if why:
+            raise ConfigError(f"task verifiers:{taskset_id}: its tasks need {why}, which a harness provides; "
+                              "not yet supported (llmrl scores single replies offline)")
+
+    def messages(self, task: Any) -> list[dict[str, str]]:
+        """What the chat harness shows: the system prompt, then the prompt (a text, or messages)."""
+        data = task.data
+        out = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
+        if isinstance(data.prompt, str):
+            return out + [{"role": "user", "content": data.prompt}]
+        return out + [m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else dict(m) for m in data.prompt or []]
+
+    def example(self, split: str, i: int) -> Example:
+        """Row i of the split; meta names the row (an Example crosses processes, a verifiers Task need not)."""
+        task = (self.train if split == "train" else self.eval)[i]
+        return Example(messages=self.messages(task), answer=str(getattr(task.data, "answer", "")),
+                       meta={"split": split, "row": i, "id": task.data.id})
+
+    def sample_train_batch(self, n: int) -> list[Example]:
+        return [self.example("train", self.rng.randrange(len(self.train))) for _ in range(n)]
+
+    def eval_examples(self, n: int) -> list[Example]:
+        return [self.example("eval", i) for i in range(min(n, len(self.eval)))]
+
+    def trace(self, task: Any, messages: list[dict[str, str]], completion: str) -> Any:
+        """A verifiers Trace of the conversation with `completion` as the sampled assistant reply."""
+        from verifiers.v1.state import state_cls
+
+        vf = self.vf
+        kinds = {"system": vf.SystemMessage, "user": vf.UserMessage, "assistant": vf.AssistantMessage}
+        shown = [kinds[m["role"]](content=m["content"]) for m in messages]
+        nodes = [vf.MessageNode(message=m, parent=i - 1 if i else None) for i, m in enumerate(shown)]
+        nodes.append(vf.MessageNode(message=vf.AssistantMessage(content=completion), parent=len(nodes) - 1 if nodes
+                                    else None, sampled=True))
+        return vf.Trace(task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
+                        state=state_cls(type(task))(), nodes=nodes,
+                        agent=vf.AgentInfo(config=vf.AgentConfig(runtime=vf.SubprocessConfig()), name="llmrl"))
+
+    def reward(self, example: Example, completion: str) -> Reward:
+        import asyncio
+
+        task = (self.train if example.meta["split"] == "train" else self.eval)[example.meta["row"]]
+        trace = self.trace(task, example.messages, completion)
+        asyncio.run(task.score(trace))
+        components = {k: float(r.score) for k, r in trace.rewards.items() if r is not None}
+        metrics = {k: float(v) for k, v in trace.metrics.items() if v is not None}
+        return Reward(total=float(trace.reward), components=components, metrics=metrics)
+
+    def judge(self, examples: list[Example], completions: list[str]) -> None:
+        """Rewards say nothing about correctness: no pass@k."""
+        return None
+
+    def evaluate(self, examples: list[Example], completions: list[str]) -> dict[str, float]:
+        rewards = [self.reward(ex, c) for ex, c in zip(examples, completions, strict=True)]
+        names = sorted({k for r in rewards for k in r.components})
+        return {n: mean_of([r.components.get(n, 0.0) for r in rewards]) for n in names}
+
+
 LIBRARY_TASKS: dict[str, type] = {"reasoning_gym": ReasoningGymTask, "textarena": TextArenaEnv, "skyrl_gym": SkyRLGymEnv,
-                                  "openenv": OpenEnvEnv}
+                                  "openenv": OpenEnvEnv, "verifiers": VerifiersTask}
