@@ -473,11 +473,11 @@ class VerifiersTask(SeededSampling):
         if loaders.environment_class(taskset_id, "") is not loaders.SingleAgentEnv:
             raise ConfigError(f"task verifiers:{taskset_id}: the taskset brings its own Env, which drives the turns "
                               "through a harness; llmrl runs single-turn tasksets only (not yet supported)")
-        self.report: dict[str, Any] = {"taskset": taskset_id}
+        self.data_report: dict[str, Any] = {"taskset": taskset_id}
         rows = self.rows(cls, taskset_id, config, size)
         if eval_config is not None:
             self.train, self.eval = rows, self.rows(cls, taskset_id, eval_config, size)
-            self.report |= {"train": len(self.train), "eval": len(self.eval), "eval_from": "eval_config"}
+            self.data_report |= {"train": len(self.train), "eval": len(self.eval), "eval_from": "eval_config"}
         else:
             eval_size = min(64, max(1, len(rows) // 5)) if eval_size is None else eval_size
             if not isinstance(eval_size, int) or not 0 < eval_size < len(rows):
@@ -487,8 +487,7 @@ class VerifiersTask(SeededSampling):
             random.Random(seed + EVAL_SEED_OFFSET).shuffle(order)
             self.eval = [rows[i] for i in order[:eval_size]]
             self.train = [rows[i] for i in sorted(order[eval_size:])]
-            self.report |= {"train": len(self.train), "eval": len(self.eval), "eval_from": "held out by seed"}
-        self.data_report = self.report
+            self.data_report |= {"train": len(self.train), "eval": len(self.eval), "eval_from": "held out by seed"}
         for task in self.train[:1] + self.eval[:1]:
             self.refuse_harness(taskset_id, task)
 
