@@ -116,3 +116,28 @@ def test_each_rank_saves_and_restores_its_own_cuda_rng_stream(monkeypatch):
     state = {"rank_rng": saved, "world_size": 2, "step": 3}
     run_mod.restore_rank_rng(state, SimpleNamespace(seed=0), Dist(1, 2, 1))
     assert torch.equal(gpus[1], torch.tensor([7, 9], dtype=torch.uint8)) and torch.equal(gpus[0], torch.tensor([1, 2], dtype=torch.uint8))
+
+
+@pytest.mark.slow
+def test_two_nodes_by_c10d_rendezvous_equal_one_process(tmp_path, tiny_model_dir, one_process):
+    """Two launches of `llmrl train --nnodes 2` (one process each, as on two machines) meet through torchrun's c10d
+    rendezvous on 127.0.0.1 and train as one 2-rank run: the same weights as one process, within the 2-rank tolerance."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tests = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": str(tests) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "nodes"
+    command = [sys.executable, "-m", "llmrl", *args(tiny_model_dir, out), "--nnodes", "2", "--rdzv_endpoint", f"127.0.0.1:{port}"]
+    nodes = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [node.communicate(timeout=600) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in results]
+    assert all("on each of 2 nodes" in err for _, err in results)
+    assert max_diff(one_process / "checkpoints/step_000003", out / "checkpoints/step_000003") <= 1e-5
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [0, 1, 1, 2, 2, 3, 3]  # each record once

@@ -2,7 +2,8 @@
 than the steps since the previous one.
 
 Each holds the PEFT adapter (`adapter_model.safetensors` + `adapter_config.json`, loadable with
-plain `PeftModel.from_pretrained`), `optimizer.pt` and `rng.pt` (tensors only, loaded with
+plain `PeftModel.from_pretrained`) or, with finetune full, the whole model (`model.safetensors` + `config.json`,
+loadable with plain `AutoModelForCausalLM.from_pretrained`), `optimizer.pt` and `rng.pt` (tensors only, loaded with
 `weights_only=True`), `trainer_state.json` (step, task and Python/NumPy RNG state,
 config) and last `manifest.json` (size and SHA-256 of every other file).
 
@@ -165,7 +166,7 @@ def save_checkpoint(
             model.save_pretrained(tmp)
         except SafetensorError as e:
             raise as_os_error(e) from None
-        if base_model is not None:
+        if base_model is not None and (tmp / "adapter_config.json").exists():  # full weights: config.json, no adapter
             adapter_config = json.loads((tmp / "adapter_config.json").read_text())
             adapter_config["base_model_name_or_path"] = base_model
             _write(tmp / "adapter_config.json", json.dumps(adapter_config, indent=2))
@@ -209,13 +210,47 @@ def load_tensors(path: Path, device: torch.device | str = "cpu") -> Any:
         raise ConfigError(f"checkpoint file {path} is not a plain tensor file, refusing to load it ({first})") from None
 
 
-def load_checkpoint(path: Path, model, optimizer: torch.optim.Optimizer, generator: torch.Generator) -> dict[str, Any]:
-    """Restore adapter weights, optimizer and RNGs; return the trainer state (step, task, ...)."""
-    from peft import set_peft_model_state_dict
+def is_full_checkpoint(path: Path) -> bool:
+    """A full-weight checkpoint (model*.safetensors + config.json) rather than a LoRA adapter."""
+    return not (path / "adapter_model.safetensors").exists() and any(path.glob("model*.safetensors"))
+
+
+def load_policy_weights(path: Path, model) -> None:
+    """Load a checkpoint's trained weights into `model`: the LoRA adapter into a PEFT policy, every weight into a
+    full-weight one (save_pretrained's model.safetensors, or its shards). A checkpoint of the other kind, or one
+    whose tensors do not fit the model, is one ConfigError line."""
     from safetensors.torch import load_file
 
+    from llmrl.models.full import is_full
+
+    device = str(next(model.parameters()).device)
+    full = is_full(model)
+    if full != is_full_checkpoint(path):
+        saved, wanted = ("a LoRA adapter", "full") if full else ("full weights", "lora")
+        raise ConfigError(f"checkpoint {path} holds {saved}, but the config has finetune {wanted}: use the finetune "
+                          "of the run that wrote it")
+    if not full:
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors", device=device))
+        return
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(path.glob("model*.safetensors")):
+        state.update(load_file(shard, device=device))
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # a shape that does not fit
+        raise ConfigError(f"checkpoint {path} does not fit the model: {str(e).strip().splitlines()[-1].strip()}") from None
+    params = dict(model.named_parameters(remove_duplicate=False))
+    untied = [m for m in missing if not any(params.get(m) is params.get(k) for k in state)]  # tied copies are saved once
+    if untied or unexpected:
+        raise ConfigError(f"checkpoint {path} does not fit the model: missing {untied[:3]}, unexpected {unexpected[:3]}")
+
+
+def load_checkpoint(path: Path, model, optimizer: torch.optim.Optimizer, generator: torch.Generator) -> dict[str, Any]:
+    """Restore the trained weights (adapter or full), optimizer and RNGs; return the trainer state (step, task, ...)."""
     device = next(model.parameters()).device
-    set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors", device=str(device)))
+    load_policy_weights(path, model)
     optimizer.load_state_dict(load_tensors(path / "optimizer.pt", device))
     tensors = load_tensors(path / "rng.pt")
     generator.set_state(tensors.pop("shuffle"))

@@ -7,6 +7,7 @@ user can fix (config, model name, data) print one line and exit 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import secrets
@@ -33,7 +34,7 @@ class OneLineParser(argparse.ArgumentParser):
                 training = ", ".join(u for u in unknown if u[2:] in FIELDS)
                 self.exit(2, f"{self.prog}: error: {training}: training options, which eval does not use "
                              "(`llmrl eval --help` lists what it does)\n")
-            others = ("config", "resume", "overwrite", "nproc", "run", "adapter", "base", "output", "trust_task_code")
+            others = ("config", "resume", "overwrite", "nproc", "nnodes", "rdzv_endpoint", "run", "adapter", "base", "output", "trust_task_code")
             hints = [f"{u}: {hint}" for u in unknown if (hint := key_hint(u[2:], "--", others))]
             where = f"llmrl {OneLineParser.command} --help" if OneLineParser.command else "llmrl COMMAND --help"
             message = f"unknown option {', '.join(unknown) or message}" + (f" ({'; '.join(hints)})" if hints else "") + \
@@ -83,20 +84,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
     train = sub.add_parser("train", help="train a LoRA policy", description="Train a LoRA adapter with GRPO or GR-REINFORCE.",
-                           usage="llmrl train [--config FILE] [--resume DIR] [--overwrite] [--nproc N] [--KEY VALUE ...]")
+                           usage="llmrl train [--config FILE] [--resume DIR] [--overwrite] [--nproc N] [--nnodes N --rdzv_endpoint HOST:PORT] [--KEY VALUE ...]")
     train.add_argument("--config", help="YAML file of config fields")
     train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest checkpoint (its config.yaml is the base)")
     train.add_argument("--overwrite", action="store_true", help="replace a run already in output_dir")
     train.add_argument("--trust_task_code", action="store_true", help=TRUST_HELP)
     train.add_argument("--nproc", type=int, default=1, metavar="N",
                        help="data-parallel processes on this machine: launches torchrun (default: 1)")
+    train.add_argument("--nnodes", type=int, default=1, metavar="N",
+                       help="machines training together: run the same command on each, with --rdzv_endpoint (default: 1)")
+    train.add_argument("--rdzv_endpoint", metavar="HOST:PORT",
+                       help="with --nnodes > 1: torchrun's c10d rendezvous, a host every node reaches (e.g. node 0's)")
     add_config_options(train)
 
     ev = sub.add_parser("eval", help="evaluate a trained adapter", description="Evaluate a run's newest checkpoint or an adapter directory.",
                         usage="llmrl eval (--run DIR | --adapter DIR | --base) [--config FILE] [--output FILE] [--KEY VALUE ...]")
     source = ev.add_mutually_exclusive_group(required=True)
     source.add_argument("--run", metavar="DIR", help="run directory: its config.yaml and newest checkpoint")
-    source.add_argument("--adapter", metavar="DIR", help="PEFT adapter directory (give --model/--task as needed)")
+    source.add_argument("--adapter", metavar="DIR", help="a checkpoint: PEFT adapter directory, or full weights (finetune full); give --model/--task as needed")
     source.add_argument("--base", action="store_true", help="evaluate the base model without an adapter")
     ev.add_argument("--config", help="YAML file of config fields")
     ev.add_argument("--output", metavar="FILE", help="write the graded completions to this JSONL file")
@@ -140,26 +145,34 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in vars(args).items() if k in FIELDS}
 
 
-def launch_torchrun(nproc: int, argv: list[str]) -> int:
-    """`llmrl train --nproc N ...` → `torchrun --standalone --nproc_per_node N -m llmrl train ...`."""
+LAUNCH_FLAGS = ("--nproc", "--nnodes", "--rdzv_endpoint")  # llmrl train's own; torchrun gets the rest
+
+
+def launch_torchrun(nproc: int, argv: list[str], nnodes: int = 1, endpoint: str | None = None) -> int:
+    """`llmrl train --nproc N ...` → `torchrun --standalone --nproc_per_node N -m llmrl train ...`; with --nnodes M
+    (the same command on each of M machines), c10d rendezvous at `endpoint` instead of --standalone."""
     import subprocess
 
-    if nproc < 1:
-        raise ConfigError(f"--nproc {nproc}: must be at least 1")
+    if nproc < 1 or nnodes < 1:
+        raise ConfigError(f"--nproc {nproc} --nnodes {nnodes}: each must be at least 1")
+    if nnodes > 1 and not endpoint:
+        raise ConfigError(f"--nnodes {nnodes}: needs --rdzv_endpoint HOST:PORT, a host and free port every node reaches")
     rest, skip = [], False
     for a in argv:
         if skip:
             skip = False
-        elif a == "--nproc":
+        elif a in LAUNCH_FLAGS:
             skip = True
-        elif not a.startswith("--nproc="):
+        elif not a.startswith(tuple(f"{flag}=" for flag in LAUNCH_FLAGS)):
             rest.append(a)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "llmrl", *rest]
-    print(f"llmrl: launching {nproc} processes: torchrun --standalone --nproc_per_node={nproc} -m llmrl {' '.join(rest)}",
-          file=sys.stderr, flush=True)
-    return subprocess.call(cmd, env=env)
+    where = (["--standalone"] if nnodes == 1 else
+             [f"--nnodes={nnodes}", "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", "--rdzv_id=llmrl"])
+    launch = [*where, f"--nproc_per_node={nproc}"]
+    print(f"llmrl: launching {nproc} processes{f' on each of {nnodes} nodes' if nnodes > 1 else ''}: "
+          f"torchrun {' '.join(launch)} -m llmrl {' '.join(rest)}", file=sys.stderr, flush=True)
+    return subprocess.call([sys.executable, "-m", "torch.distributed.run", *launch, "-m", "llmrl", *rest], env=env)
 
 
 def resume_config(args: argparse.Namespace) -> TrainConfig:
@@ -194,6 +207,10 @@ def adapter_base(adapter: Path, overrides: dict[str, Any]) -> tuple[Path | None,
     run_config = adapter.resolve().parent.parent / "config.yaml"
     if run_config.is_file():
         return run_config, overrides
+    from llmrl.checkpoint import is_full_checkpoint
+
+    if is_full_checkpoint(adapter):  # full weights: the checkpoint is a Hugging Face model directory itself
+        return None, {"model": str(adapter), "finetune": "full", **overrides}
     try:
         base = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
     except (OSError, ValueError):
@@ -207,7 +224,7 @@ def adapter_base(adapter: Path, overrides: dict[str, Any]) -> tuple[Path | None,
 def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
-    from llmrl.checkpoint import latest_checkpoint
+    from llmrl.checkpoint import is_full_checkpoint, latest_checkpoint, load_policy_weights
     from llmrl.config import resolve
     from llmrl.tasks import check_task_code, task_from_config
     from llmrl.training.run import build_policy, eval_policy
@@ -228,20 +245,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, overrides)
     if run_config is not None:
         check_task_code(cfg, run_config.parent, task_trusted(args, cfg))
-    if adapter is not None and not (adapter / "adapter_config.json").exists():
-        raise ConfigError(f"--adapter {adapter}: no adapter_config.json there")
+    if adapter is not None and not (adapter / "adapter_config.json").exists() and not is_full_checkpoint(adapter):
+        raise ConfigError(f"--adapter {adapter}: neither an adapter (adapter_config.json) nor full weights "
+                          "(model.safetensors) there")
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     preflight(cfg)
-    plan = resolve(cfg)
+    plan = dataclasses.replace(resolve(cfg), with_ref=False)  # eval has no KL term: no reference copy
     model, tokenizer, _ = build_policy(cfg, plan)
     if adapter is not None:
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        set_peft_model_state_dict(model, load_file(adapter / "adapter_model.safetensors"))
+        load_policy_weights(adapter, model)
     task = task_from_config(cfg)
-    if adapter is None:
+    if adapter is None and not plan.full:  # the base model: LoRA off
         with model.disable_adapter():
             metrics, rows = eval_policy(cfg, model, tokenizer, task, plan=plan)
     else:
@@ -352,13 +367,15 @@ def main(argv: list[str] | None = None) -> int:
     OneLineParser.command = next((a for a in argv if not a.startswith("-")), None)
     try:
         args = build_parser().parse_args(argv)
-        if args.command == "train" and args.nproc != 1 and "WORLD_SIZE" not in os.environ:
+        if args.command == "train" and (args.nproc != 1 or args.nnodes != 1) and "WORLD_SIZE" not in os.environ:
             # report a bad config (or a run dir's untrusted task code) before starting N processes
             cfg = resume_config(args) if args.resume else load_config(args.config, overrides_from(args))
-            if cfg.batch_size % max(args.nproc, 1):
-                raise ConfigError(f"batch_size={cfg.batch_size}: must be divisible by --nproc {args.nproc}")
+            world = max(args.nproc, 1) * max(args.nnodes, 1)
+            if cfg.batch_size % world:
+                raise ConfigError(f"batch_size={cfg.batch_size}: must be divisible by the {world} processes "
+                                  f"(--nproc {args.nproc} × --nnodes {args.nnodes})")
             preflight(cfg)
-            return launch_torchrun(args.nproc, argv)
+            return launch_torchrun(args.nproc, argv, args.nnodes, args.rdzv_endpoint)
         if getattr(args, "config", None):
             read_yaml(args.config)  # report a bad file before anything heavy
         from llmrl.export import cmd_chat, cmd_export

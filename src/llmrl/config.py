@@ -122,6 +122,7 @@ class TrainConfig:
     overlong_penalty: float = doc(1.0, "largest soft overlong penalty (reached at max_new_tokens)")
     overlong_filter: bool = doc(False, "mask completions cut at max_new_tokens out of the loss (DAPO overlong filtering)")
     # LoRA and model
+    finetune: str = doc("lora", "what trains: lora (an adapter on the frozen base) or full (every weight of the policy, fp32 master weights and AdamW state; the KL reference is a frozen copy of the base, made only when kl_coef > 0; rollout_engine hf only)")
     lora_r: int = doc(16, "LoRA rank")
     lora_alpha: int = doc(32, "LoRA alpha")
     lora_dropout: float = doc(0.05, "LoRA dropout")
@@ -215,7 +216,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
                   "dynamic_sampling", "dynamic_sampling_rounds", "overlong_buffer", "overlong_penalty", "overlong_filter"),
     "optimisation": ("lr", "weight_decay", "adam_beta1", "adam_beta2", "warmup_steps", "grad_accum_steps", "ppo_epochs",
                      "minibatch_size", "max_grad_norm"),
-    "LoRA": ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "gradient_checkpointing"),
+    "LoRA": ("finetune", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "gradient_checkpointing"),
     "evaluation and logging": ("eval_interval", "eval_n", "eval_batch_size", "eval_samples_per_prompt",
                                "eval_temperature", "eval_top_p", "eval_max_new_tokens", "sample_log_interval", "wandb",
                                "wandb_project", "tensorboard", "report", "run_name"),
@@ -445,6 +446,10 @@ def validate(cfg: TrainConfig) -> None:
     rule(0 <= cfg.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
     rule(0 <= cfg.lora_dropout < 1, "lora_dropout", "must be in [0, 1)")
     rule(bool(cfg.lora_target_modules), "lora_target_modules", "must name at least one module")
+    rule(cfg.finetune in ("lora", "full"), "finetune", "must be lora or full")
+    rule(cfg.finetune == "lora" or cfg.rollout_engine == "hf", "finetune",
+         f"full weights reach only the hf rollout engine so far (rollout_engine={cfg.rollout_engine!r} is synced through "
+         "a LoRA adapter): use --rollout_engine hf, or --finetune lora")
     rule(cfg.eval_n is None or cfg.eval_n >= 0, "eval_n", "must not be negative")
     rule(cfg.eval_max_new_tokens is None or cfg.eval_max_new_tokens >= 1, "eval_max_new_tokens", "must be at least 1")
     rule(cfg.eval_samples_per_prompt >= 1, "eval_samples_per_prompt", "must be at least 1")
@@ -654,6 +659,8 @@ class Plan:
     measure_kernels: bool  # ... only where a start-up measurement finds them faster (onednn_linear unset)
     keep_heap_memory: bool  # CPU: glibc keeps freed memory for reuse
     gradient_checkpointing: bool
+    full: bool = False  # finetune full: every weight trains (fp32 master weights), the reference is a frozen copy
+    autocast: Any = None  # finetune full: the dtype forwards run in under torch.autocast (bf16), or None (fp32 products)
     world_size: int = 1  # processes training together (torchrun's WORLD_SIZE)
 
 
@@ -673,10 +680,18 @@ def resolve(cfg: TrainConfig) -> Plan:
         raise ConfigError(f"device={cfg.device}: no CUDA device is usable here (torch {torch.__version__}, "
                           f"cuda {torch.version.cuda or 'not compiled in'}); use --device cpu or auto")
     cpu = device.type == "cpu"
+    full = cfg.finetune == "full"
     dtype, bf16_matmul, precision = pick_dtype(cfg.dtype, device)
     bf16_matmul = bf16_matmul and cfg.fast
+    autocast = None
+    if full:  # trained weights stay fp32 (master weights and AdamW state); bf16 only as autocast products
+        autocast = torch.bfloat16 if dtype == torch.bfloat16 else None
+        dtype, bf16_matmul = torch.float32, False
+        precision = ("finetune full: fp32 weights, gradients and AdamW state, "
+                     + ("bf16 products (torch.autocast), fp32 log-probs" if autocast else
+                        "fp32 products" + (" (CPU: bf16 weight copies pay only for frozen weights)" if cpu and cfg.dtype == "auto" else "")))
     fuse = cfg.fast and (cfg.fuse_accumulation if cfg.fuse_accumulation is not None else cpu)
-    fp32_products = dtype == torch.float32 and not bf16_matmul  # every product of the base in fp32
+    fp32_products = dtype == torch.float32 and not bf16_matmul and autocast is None  # every product of the base in fp32
     return Plan(
         device=device, dtype=dtype, bf16_matmul=bf16_matmul, precision=precision, engine=cfg.rollout_engine,
         engine_old=cfg.old_logprobs == "engine" or cfg.max_staleness > 0,
@@ -686,13 +701,16 @@ def resolve(cfg: TrainConfig) -> Plan:
         # (not with gradient checkpointing), as the two layouts round differently in bf16; the first ratio
         # is still not exactly 1 (other rows in the batch, LoRA dropout in training). And LoRA is merged
         # only into weights multiplied in fp32 (a bf16-rounded merged copy loses much of ΔW)
-        sampler_logp=cfg.fast and cfg.logp_from_sampler and fp32_products, merge_lora=cfg.fast and cfg.merge_lora_sampling and fp32_products,
+        sampler_logp=cfg.fast and cfg.logp_from_sampler and fp32_products,
+        merge_lora=cfg.fast and cfg.merge_lora_sampling and fp32_products and not full,
         shared_prefix_scoring=cfg.fast and cfg.shared_prefix and (fp32_products or not cfg.gradient_checkpointing),
         shared_prefix_update=cfg.fast and cfg.shared_prefix and not cfg.gradient_checkpointing,
         fuse_accumulation=fuse, score_chunk=cfg.minibatch_size * (cfg.grad_accum_steps if fuse else 1),
         token_budget=CPU_TOKEN_BUDGET if cpu else CUDA_TOKEN_BUDGET,
-        fuse_lora=cfg.fast and cfg.fuse_lora, grouped_attention=cfg.fast and cpu, hash_dropout=cfg.fast and cfg.hash_dropout and cpu, onednn_linear=bool(cfg.fast and cfg.onednn_linear is not False and cpu),
+        fuse_lora=cfg.fast and cfg.fuse_lora and not full, grouped_attention=cfg.fast and cpu,
+        hash_dropout=cfg.fast and cfg.hash_dropout and cpu and not full,
+        onednn_linear=bool(cfg.fast and cfg.onednn_linear is not False and cpu and not full),  # packs frozen weights
         measure_kernels=cfg.onednn_linear is None,
         keep_heap_memory=cfg.fast and cfg.keep_heap_memory and cpu, gradient_checkpointing=cfg.gradient_checkpointing,
-        world_size=launched_world_size(),
+        full=full, autocast=autocast, world_size=launched_world_size(),
     )

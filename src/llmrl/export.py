@@ -3,6 +3,7 @@ Hugging Face format, each with a filled model card) and `llmrl chat` (a few turn
 
     llmrl export runs/quickstart --out exported/            adapter + adapter_config.json + README.md
     llmrl export runs/quickstart --out merged/ --merge      model.safetensors + config + tokenizer + README.md
+    llmrl export runs/quickstart-full --out model/          the same for a full-weight run (no --merge needed)
     llmrl chat runs/quickstart                              type a message, get the policy's reply
 """
 
@@ -25,15 +26,18 @@ def find_checkpoint(path: Path) -> tuple[Path, Path]:
     """(checkpoint directory, its run directory) for a run directory or one of its checkpoints."""
     from llmrl.checkpoint import latest_checkpoint
 
+    from llmrl.checkpoint import is_full_checkpoint
+
     path = Path(path)
-    if (path / "adapter_config.json").is_file():
+    if (path / "adapter_config.json").is_file() or is_full_checkpoint(path):
         return path, path.resolve().parent.parent
     if (path / CONFIG).is_file():
         checkpoint = latest_checkpoint(path)
         if checkpoint is None:
             raise ConfigError(f"{path}: no complete checkpoint under {path / 'checkpoints'}")
         return checkpoint, path
-    raise ConfigError(f"{path}: neither a run directory (with {CONFIG}) nor a checkpoint (with adapter_config.json)")
+    raise ConfigError(f"{path}: neither a run directory (with {CONFIG}) nor a checkpoint (with adapter_config.json, or "
+                      "model.safetensors for full weights)")
 
 
 def load_run_config(run_dir: Path, overrides: dict[str, Any] | None = None):
@@ -60,6 +64,7 @@ def export(path: Path, out: Path, merge: bool = False, dtype: str = "float32", c
 
     checkpoint, run_dir = find_checkpoint(path)
     cfg = load_run_config(run_dir)
+    merge = merge or cfg.finetune == "full"  # full weights are a whole model already: exported as one
     prompts_cfg = load_run_config(run_dir, {"task": task}) if task else cfg  # the card keeps the run's task
     if merge and check > 0:
         check_task_code(prompts_cfg, run_dir, trust_task_code or bool(task))
@@ -75,7 +80,7 @@ def export(path: Path, out: Path, merge: bool = False, dtype: str = "float32", c
         model, tokenizer = load_policy(dataclasses.replace(cfg, dtype="float32"), checkpoint)
         prompts = check_prompts(prompts_cfg, check)
         before = greedy_texts(model, tokenizer, prompts, cfg.max_new_tokens)
-        merged = model.merge_and_unload().to(getattr(torch, dtype))
+        merged = (model if cfg.finetune == "full" else model.merge_and_unload()).to(getattr(torch, dtype))
         merged.save_pretrained(out)
         tokenizer.save_pretrained(out)
         if prompts:
@@ -84,8 +89,8 @@ def export(path: Path, out: Path, merge: bool = False, dtype: str = "float32", c
             reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=getattr(torch, dtype)).to(merged.device)
             after = greedy_texts(reloaded, tokenizer, prompts, cfg.max_new_tokens)
             same = sum(a == b for a, b in zip(before, after))
-            print(f"llmrl export: greedy check: {same}/{len(prompts)} eval prompts give the unmerged policy's "
-                  f"completion ({dtype} weights)", file=sys.stderr)
+            print(f"llmrl export: greedy check: {same}/{len(prompts)} eval prompts give the "
+                  f"{'trained' if cfg.finetune == 'full' else 'unmerged'} policy's completion ({dtype} weights)", file=sys.stderr)
     else:
         shutil.copy(checkpoint / "adapter_model.safetensors", out / "adapter_model.safetensors")
         config = json.loads((checkpoint / "adapter_config.json").read_text())
@@ -122,16 +127,15 @@ def greedy_texts(model, tokenizer, prompts: list[list[dict[str, str]]], max_new_
 
 
 def load_policy(cfg, checkpoint: Path):
-    """(LoRA policy with the checkpoint's adapter, tokenizer) on the config's device, plain kernels."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
+    """(policy with the checkpoint's adapter or full weights, tokenizer) on the config's device, plain kernels."""
+    from llmrl.checkpoint import load_policy_weights
     from llmrl.config import resolve
     from llmrl.training.run import build_policy
 
-    plan = dataclasses.replace(resolve(cfg), onednn_linear=False, hash_dropout=False, fuse_lora=False)  # plain linears: mergeable, exportable
+    plan = dataclasses.replace(resolve(cfg), onednn_linear=False, hash_dropout=False, fuse_lora=False,  # plain linears:
+                               with_ref=False)  # mergeable, exportable; no reference copy of full weights
     model, tokenizer, _ = build_policy(cfg, plan)
-    set_peft_model_state_dict(model, load_file(checkpoint / "adapter_model.safetensors"))
+    load_policy_weights(checkpoint, model)
     return model.eval(), tokenizer
 
 
@@ -194,7 +198,8 @@ def add_export_parsers(sub) -> None:
 def cmd_export(args: argparse.Namespace) -> int:
     out = export(Path(args.path), Path(args.out), merge=args.merge, dtype=args.dtype, task=args.task,
                  trust_task_code=args.trust_task_code)
-    print(f"llmrl export: {'merged model' if args.merge else 'adapter'} written to {out}")
+    kind = "model" if (out / "config.json").is_file() else "adapter"
+    print(f"llmrl export: {'merged model' if args.merge else kind} written to {out}")
     return 0
 
 

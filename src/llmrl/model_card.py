@@ -35,7 +35,11 @@ def model_card(cfg, step: int | str, run_dir: Path, merged: bool = False) -> str
     steps, last eval, the command."""
     evals = last_eval(run_dir)
     eval_lines = "\n".join(f"| {k} | {v:.4g} |" for k, v in evals.items() if isinstance(v, (int, float))) or "| (none logged) | |"
-    kind = "the LoRA adapter merged into the base weights" if merged else "a LoRA adapter (PEFT)"
+    full = cfg.finetune == "full"
+    merged = merged or full
+    kind = ("every weight of the base fine-tuned (finetune full)" if full else
+            "the LoRA adapter merged into the base weights" if merged else "a LoRA adapter (PEFT)")
+    tuned = "finetune | full (every weight)" if full else f"LoRA | r {cfg.lora_r}, alpha {cfg.lora_alpha}, targets {', '.join(cfg.lora_target_modules)}"
     use = ("```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
            f"model = AutoModelForCausalLM.from_pretrained(\"{'THIS_DIR'}\")\ntokenizer = AutoTokenizer.from_pretrained(\"THIS_DIR\")\n```"
            if merged else
@@ -52,7 +56,7 @@ Trained with [llmrl](https://pypi.org/project/llmrl/): {kind}.
 | task | `{cfg.task}` |
 | algorithm | `{cfg.algo}` (advantages `{cfg.adv_estimator}`, loss `{cfg.loss_agg}`, kl_coef {cfg.kl_coef}) |
 | steps | {step} of {cfg.steps} ({cfg.batch_size} prompts × {cfg.group_size} completions each) |
-| LoRA | r {cfg.lora_r}, alpha {cfg.lora_alpha}, targets {", ".join(cfg.lora_target_modules)} |
+| {tuned} |
 | lr | {cfg.lr} (warmup {cfg.warmup_steps} RL steps) |
 
 Last eval of the run:

@@ -253,11 +253,7 @@ def add_lora(model, r: int, alpha: int, dropout: float, target_modules: list[str
     from peft import LoraConfig, get_peft_model
 
     if gradient_checkpointing:
-        # transformers ≥ 5.2x names it activation checkpointing (the old name warns); earlier versions have only the old
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_gradient_checkpointing(model)
     config = LoraConfig(
         r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
         bias="none", task_type="CAUSAL_LM",
@@ -265,6 +261,15 @@ def add_lora(model, r: int, alpha: int, dropout: float, target_modules: list[str
     with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`; nothing to do on our side
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         return get_peft_model(model, config)
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """Recompute each block's activations in the backward (non-reentrant checkpointing)."""
+    # transformers ≥ 5.2x names it activation checkpointing (the old name warns); earlier versions have only the old
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def contiguous_lm_head_input(model) -> None:

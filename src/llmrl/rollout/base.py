@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from llmrl.errors import EngineDied, RunStopped
+from llmrl.models.full import reference_policy
 from llmrl.models.scoring import chunked_logprobs, inference_mode
 from llmrl.run_files import SCRATCH
 
@@ -185,7 +186,7 @@ class RolloutEngine(Protocol):
 
 def add_logprobs(model, r: Rollout, *, chunk: int, group_size: int, shared_prefix: bool, with_ref: bool,
                  token_budget: int = 2**62) -> Rollout:
-    """Fill r.logp_old (when the engine did not) and r.logp_ref (LoRA disabled, when `with_ref`) with
+    """Fill r.logp_old (when the engine did not) and r.logp_ref (the reference policy: LoRA disabled, or full weights' frozen base; when `with_ref`) with
     no-grad forwards of `chunk` rows, fewer where chunk × L would pass `token_budget` (rounded up to whole
     groups with `shared_prefix`, where each prompt runs once for its group); mask both, and the
     entropies, to the completion tokens."""
@@ -199,7 +200,7 @@ def add_logprobs(model, r: Rollout, *, chunk: int, group_size: int, shared_prefi
         r.logp_old = r.logp_old * r.completion_mask
         r.entropy = None if r.entropy is None else r.entropy * r.completion_mask
         if with_ref:
-            with model.disable_adapter():
+            with reference_policy(model):  # LoRA off, or the frozen base weights (finetune full)
                 r.logp_ref = chunked_logprobs(model, r.input_ids, r.attention_mask, r.prompt_len, chunk, group)[0]
             r.logp_ref = r.logp_ref * r.completion_mask
     return r

@@ -139,8 +139,9 @@ def loop(run: Run) -> TrainResult:
                 break
     close_run(run)
     if run.dist.is_main and path is not None:
-        print(f"llmrl: adapter: {path} (load it with PeftModel.from_pretrained, or `llmrl export {run.dir}`)",
-              file=sys.stderr)
+        loader = "AutoModelForCausalLM.from_pretrained" if run.plan.full else "PeftModel.from_pretrained"
+        print(f"llmrl: {'model' if run.plan.full else 'adapter'}: {path} (load it with {loader}, or "
+              f"`llmrl export {run.dir}`)", file=sys.stderr)
     return TrainResult(model=run.model, tokenizer=run.tokenizer, run_dir=run.dir, last_metrics=last, adapter=path)
 
 

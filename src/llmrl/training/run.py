@@ -30,6 +30,7 @@ from llmrl.config import Plan, TrainConfig, resolve, resume_differences, save_co
 from llmrl.errors import ConfigError, RunStopped
 from llmrl.logger import RunLogger, check_log_sizes, plain
 from llmrl.model_card import model_card
+from llmrl.models.full import prepare_full
 from llmrl.models.lora import fuse_lora_outputs
 from llmrl.models.loading import (add_lora, contiguous_lm_head_input, grouped_query_attention, load_base_model,
                                   run_in_bf16_autocast)
@@ -79,7 +80,7 @@ class Run:
     plan: Plan
     dir: Path
     dist: Dist
-    model: Any  # the LoRA-wrapped policy (PeftModel)
+    model: Any  # the policy: LoRA-wrapped (PeftModel), or the transformers model itself (finetune full)
     tokenizer: Any
     task: Task
     engine: RolloutEngine
@@ -104,11 +105,18 @@ class Run:
 
 
 def build_policy(cfg: TrainConfig, plan: Plan):
-    """(LoRA-wrapped model, tokenizer, kernel choice) for a config; LoRA init is seeded by cfg.seed.
+    """(policy, tokenizer, kernel choice) for a config: the LoRA-wrapped base (LoRA init seeded by cfg.seed), or
+    with finetune full the base itself, every weight trainable (models/full.py).
     The kernel choice is one line saying how the frozen linears run (recorded in the run's config)."""
     base, tokenizer = load_base_model(cfg.model, plan.device, plan.dtype)
     use_chat_template(tokenizer, cfg.chat_template)  # --chat_template: for every prompt the run renders
     torch.manual_seed(cfg.seed)
+    if plan.full:  # every weight trains: no adapter, no packed or bf16 copies of weights that change
+        model = prepare_full(base, plan.gradient_checkpointing, reference=plan.with_ref, autocast=plan.autocast)
+        contiguous_lm_head_input(model)
+        if plan.grouped_attention:
+            grouped_query_attention(model)
+        return model, tokenizer, f"linears: F.linear{' under bf16 autocast' if plan.autocast else ''} (finetune full)"
     model = add_lora(base, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules, plan.gradient_checkpointing)
     if plan.hash_dropout:
         use_hash_dropout(model)  # same distribution, a vectorised mask
@@ -290,7 +298,9 @@ def build_run(cfg: TrainConfig, dist: Dist, lock: RunLock | None, resume: bool, 
         torch.manual_seed(mix(cfg.seed, 1 + dist.rank))  # per-rank stream for LoRA dropout
     report = getattr(task, "data_report", None)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
+    # full weights: AdamW's fused kernel (one pass over each tensor, CPU and CUDA) instead of a loop of ~10 ops per tensor
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay,
+                                  fused=True if plan.full else None)
     shuffle = torch.Generator().manual_seed(cfg.seed + 1)
     start, totals, health = 1, Totals(), Health()
     if checkpoint is not None:

@@ -1,0 +1,131 @@
+"""Full-weight training (`--finetune full`): every weight moves, the KL reference is the frozen base, checkpoints
+hold the whole model and resume exactly, 2 ranks equal 1, and an export is a plain Hugging Face model."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import cli, read_jsonl, run_cli, tiny_args
+
+
+def full_args(model, out, steps=2, **extra):
+    # lr 1e-3 with the tiny model's fp32 weights: every step moves each weight by ~lr (Adam), far above the
+    # 1e-5/1e-6 tolerances below, so a lost or doubled gradient or a skipped step shows
+    return tiny_args(model, out, "grpo", steps=steps, **{"finetune": "full", "lr": "1e-3", "eval_n": 3, **extra})
+
+
+def weights(ckpt):
+    return load_file(ckpt / "model.safetensors")
+
+
+def max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_reference_is_the_frozen_base_while_the_policy_trains(tiny_model_dir):
+    """After real optimizer steps the policy's logits change; inside reference_policy they are the base's bit for
+    bit, and after it the policy's again (the swap restores the very tensors the optimizer updates)."""
+    from transformers import AutoModelForCausalLM
+
+    from llmrl.models.full import is_full, prepare_full, reference_policy
+
+    model = prepare_full(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), False, True, None)
+    assert is_full(model) and all(p.requires_grad for p in model.parameters())
+    ids = torch.tensor([[5, 17, 301, 42, 7, 99, 3]])  # 7 tokens: not a power of two
+    with torch.no_grad():
+        base = model(ids).logits.clone()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    for _ in range(3):
+        opt.zero_grad()
+        torch.log_softmax(model(ids).logits.float(), -1)[0, :-1].gather(-1, ids[0, 1:, None]).sum().neg().backward()
+        opt.step()
+    with torch.no_grad():
+        trained = model(ids).logits.clone()
+        with reference_policy(model):
+            ref = model(ids).logits.clone()
+        again = model(ids).logits.clone()
+    assert (trained - base).abs().max() > 1e-3  # it learned
+    assert torch.equal(ref, base)
+    assert torch.equal(again, trained)
+    for p, copy in zip(model.llmrl_reference.params, model.llmrl_reference.copies):
+        assert p.data_ptr() != copy.data_ptr()  # the optimizer's in-place updates never reach the reference
+
+
+def test_full_weight_checkpoint_moves_every_tensor_and_refuses_the_other_kind(tmp_path, tiny_model_dir):
+    out = tmp_path / "run"
+    p = cli(*full_args(tiny_model_dir, out, steps=1))
+    assert "finetune full: fp32 weights, gradients and AdamW state" in p.stderr
+    assert "AutoModelForCausalLM.from_pretrained" in p.stderr
+    ckpt = out / "checkpoints/step_000001"
+    assert not (ckpt / "adapter_model.safetensors").exists() and (ckpt / "config.json").is_file()
+    base, trained = load_file(f"{tiny_model_dir}/model.safetensors"), weights(ckpt)
+    assert base.keys() == trained.keys()  # the tied LM head is saved once, as in the base
+    assert all((trained[k] - base[k]).abs().max() > 0 for k in base), "a weight did not train"
+    optimizer = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    assert len(optimizer["state"]) == len(base)  # AdamW state for every tensor
+    # the other kind: a LoRA config given this checkpoint is one line naming the mismatch
+    bad = run_cli("eval", "--adapter", str(ckpt), "--model", tiny_model_dir, "--task", "toy_task:CharTask",
+                  "--finetune", "lora", "--eval_n", "1", "--trust_task_code")
+    assert bad.returncode != 0 and "holds full weights, but the config has finetune lora" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+def test_full_weights_with_a_vllm_engine_are_one_line(tmp_path, tiny_model_dir):
+    p = run_cli(*full_args(tiny_model_dir, tmp_path / "r", rollout_engine="vllm"))
+    assert p.returncode != 0 and "full weights reach only the hf rollout engine" in p.stderr
+    assert "Traceback" not in p.stderr and not (tmp_path / "r").exists()
+    p = run_cli(*full_args(tiny_model_dir, tmp_path / "r", finetune="partial"))
+    assert p.returncode != 0 and "finetune='partial': must be lora or full" in p.stderr
+
+
+@pytest.mark.slow
+def test_full_weight_resume_is_exact(tmp_path, tiny_model_dir):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    cli(*full_args(tiny_model_dir, straight, steps=3))
+    cli(*full_args(tiny_model_dir, resumed, steps=2))
+    cli("train", "--resume", str(resumed), "--steps", "3", "--trust_task_code")
+    assert max_diff(weights(straight / "checkpoints/step_000003"), weights(resumed / "checkpoints/step_000003")) <= 1e-6
+    a, b = read_jsonl(straight / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl")
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    assert [r.get("reward/mean") for r in a] == [r.get("reward/mean") for r in b]
+
+
+@pytest.mark.slow
+def test_full_weights_two_ranks_equal_one(tmp_path, tiny_model_dir):
+    """DDP of full weights: the ranks' gradients are summed in one flat all-reduce, so 2 ranks differ from 1 only in
+    the order fp32 sums are taken (a few ulps of each gradient, ~1e-7 relative); Adam's step is ~lr = 1e-3 per
+    weight, so after 3 steps the weights agree to well under 1e-5 unless a gradient is lost or doubled."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    cli(*full_args(tiny_model_dir, one, steps=3, lora_dropout=0))
+    p = cli(*full_args(tiny_model_dir, two, steps=3, lora_dropout=0), "--nproc", "2")
+    assert "launching 2 processes" in p.stderr
+    assert max_diff(weights(one / "checkpoints/step_000003"), weights(two / "checkpoints/step_000003")) <= 1e-5
+    assert [r["step"] for r in read_jsonl(two / "metrics.jsonl")] == [r["step"] for r in read_jsonl(one / "metrics.jsonl")]
+
+
+@pytest.mark.slow
+def test_export_of_full_weights_is_a_plain_model_with_evals_completions(tmp_path, tiny_model_dir):
+    from toy_task import CharTask
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "run"
+    cli(*full_args(tiny_model_dir, out, steps=2, eval_n=4, dtype="float32"))
+    cli("eval", "--run", str(out), "--output", str(tmp_path / "eval.jsonl"), "--trust_task_code")
+    expected = [r["completion"] for r in read_jsonl(tmp_path / "eval.jsonl")]
+    p = cli("export", str(out), "--out", str(tmp_path / "model"), "--trust_task_code")  # no --merge needed
+    assert "greedy check: 4/4 eval prompts give the trained policy's completion" in p.stderr
+    assert "model written to" in p.stdout
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
+    tok = AutoTokenizer.from_pretrained(tmp_path / "model")
+    assert "finetune | full" in (tmp_path / "model" / "README.md").read_text()
+    got = []
+    for ex in CharTask().eval_examples(4):
+        text = tok.apply_chat_template(ex.messages, tokenize=False, add_generation_prompt=True)
+        ids = tok(text, return_tensors="pt", add_special_tokens=False)
+        gen = model.generate(**ids, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+        got.append(tok.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
+    assert got == expected and any(expected)
+    assert json.loads((tmp_path / "model" / "config.json").read_text())["model_type"] == "llama"
