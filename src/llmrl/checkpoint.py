@@ -150,12 +150,13 @@ def in_use(tmp: Path) -> bool:
 def save_checkpoint(
     run_dir: Path, step: int, model, optimizer: torch.optim.Optimizer, state: dict[str, Any],
     generator: torch.Generator, keep: int = 0, extra_rng: dict[str, torch.Tensor] | None = None,
-    base_model: str | None = None, card: str | None = None,
+    base_model: str | None = None, card: str | None = None, whole: tuple[dict, dict] | None = None,
 ) -> Path:
     """Write the checkpoint of `step` atomically, point `latest` at it, keep the newest `keep` (0: all).
     base_model: how adapter_config.json names the base (as the user gave it, not this machine's cache path);
-    card: the README.md written instead of PEFT's empty template. A failed write raises OSError, with
-    `latest` still naming the previous checkpoint."""
+    card: the README.md written instead of PEFT's empty template; whole: a sharded run's (model, optimizer) state
+    gathered to this rank (training/fsdp.py:full_state), written in an unsharded run's format. A failed write raises
+    OSError, with `latest` still naming the previous checkpoint."""
     from safetensors import SafetensorError
 
     final = checkpoint_dir(run_dir, step)
@@ -163,7 +164,7 @@ def save_checkpoint(
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".tmp-step_{step:06d}-"))
     try:
         try:
-            model.save_pretrained(tmp)
+            model.save_pretrained(tmp, **({"state_dict": whole[0]} if whole else {}))
         except SafetensorError as e:
             raise as_os_error(e) from None
         if base_model is not None and (tmp / "adapter_config.json").exists():  # full weights: config.json, no adapter
@@ -172,7 +173,7 @@ def save_checkpoint(
             _write(tmp / "adapter_config.json", json.dumps(adapter_config, indent=2))
         if card is not None:
             _write(tmp / "README.md", card)
-        _write(tmp / "optimizer.pt", _torch_bytes(optimizer.state_dict()))
+        _write(tmp / "optimizer.pt", _torch_bytes(whole[1] if whole else optimizer.state_dict()))
         plain, tensors = rng_state()
         _write(tmp / "rng.pt", _torch_bytes({**tensors, **(extra_rng or {}), "shuffle": generator.get_state()}))
         _write(tmp / "trainer_state.json", json.dumps({**state, "step": step, "rng": plain}))
@@ -247,11 +248,33 @@ def load_policy_weights(path: Path, model) -> None:
         raise ConfigError(f"checkpoint {path} does not fit the model: missing {untied[:3]}, unexpected {unexpected[:3]}")
 
 
-def load_checkpoint(path: Path, model, optimizer: torch.optim.Optimizer, generator: torch.Generator) -> dict[str, Any]:
-    """Restore the trained weights (adapter or full), optimizer and RNGs; return the trainer state (step, task, ...)."""
-    device = next(model.parameters()).device
-    load_policy_weights(path, model)
-    optimizer.load_state_dict(load_tensors(path / "optimizer.pt", device))
+def load_optimizer(path: Path, model, optimizer: torch.optim.Optimizer) -> None:
+    """An optimizer.pt into `optimizer`: saved by an unsharded run (keyed by parameter index) or a sharded one
+    (keyed by parameter name, whole tensors), into an unsharded or a sharded (FSDP2) policy."""
+    from llmrl.training.fsdp import is_sharded
+
+    saved = load_tensors(path / "optimizer.pt", next(model.parameters()).device)
+    by_name = any(isinstance(k, str) for k in saved.get("state", {})) or any(
+        isinstance(p, str) for g in saved.get("param_groups", []) for p in g["params"])
+    if not by_name and not is_sharded(model):
+        optimizer.load_state_dict(saved)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    if not by_name:  # an unsharded run's: index i is the i-th trainable parameter
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        saved = {"state": {names[i]: v for i, v in saved["state"].items()},
+                 "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, saved, options=StateDictOptions(full_state_dict=True))
+
+
+def load_checkpoint(path: Path, model, optimizer: torch.optim.Optimizer, generator: torch.Generator,
+                    weights: bool = True) -> dict[str, Any]:
+    """Restore the trained weights (adapter or full; not with `weights` False, for a caller that loaded them before
+    sharding), optimizer and RNGs; return the trainer state (step, task, ...)."""
+    if weights:
+        load_policy_weights(path, model)
+    load_optimizer(path, model, optimizer)
     tensors = load_tensors(path / "rng.pt")
     generator.set_state(tensors.pop("shuffle"))
     state = json.loads((path / "trainer_state.json").read_text())

@@ -123,6 +123,7 @@ class TrainConfig:
     overlong_filter: bool = doc(False, "mask completions cut at max_new_tokens out of the loss (DAPO overlong filtering)")
     # LoRA and model
     finetune: str = doc("lora", "what trains: lora (an adapter on the frozen base) or full (every weight of the policy, fp32 master weights and AdamW state; the KL reference is a frozen copy of the base, made only when kl_coef > 0; rollout_engine hf only)")
+    shard: str = doc("ddp", "with several processes: ddp (every rank holds the whole model, gradients all-reduced) or fsdp (FSDP2 fully_shard: each rank holds 1/N of every weight, gradient and AdamW state; for LoRA the frozen base is sharded too; rollout_engine hf, generation on the gathered model)")
     lora_r: int = doc(16, "LoRA rank")
     lora_alpha: int = doc(32, "LoRA alpha")
     lora_dropout: float = doc(0.05, "LoRA dropout")
@@ -216,7 +217,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
                   "dynamic_sampling", "dynamic_sampling_rounds", "overlong_buffer", "overlong_penalty", "overlong_filter"),
     "optimisation": ("lr", "weight_decay", "adam_beta1", "adam_beta2", "warmup_steps", "grad_accum_steps", "ppo_epochs",
                      "minibatch_size", "max_grad_norm"),
-    "LoRA": ("finetune", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "gradient_checkpointing"),
+    "LoRA": ("finetune", "shard", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "gradient_checkpointing"),
     "evaluation and logging": ("eval_interval", "eval_n", "eval_batch_size", "eval_samples_per_prompt",
                                "eval_temperature", "eval_top_p", "eval_max_new_tokens", "sample_log_interval", "wandb",
                                "wandb_project", "tensorboard", "report", "run_name"),
@@ -242,6 +243,7 @@ RESUME_MAY_CHANGE = {
     "health_zero_spread_frac", "health_max_kl", "health_max_clip_frac", "grade_time_limit", "grade_workers", "fast", "dist_timeout", "logp_from_sampler", "shared_prefix", "fuse_accumulation", "onednn_linear", "fuse_lora",
     "merge_lora_sampling", "keep_heap_memory", "vllm_memory", "vllm_sleep", "vllm_prefix_caching", "env_timeout", "env_isolation", "env_workers", "server_url", "api_key_file",
     "max_staleness",  # a resumed async run re-draws its in-flight batch anyway (docs/engines.md: async)
+    "shard",  # a sharded run's checkpoint is an unsharded run's (training/fsdp.py): it resumes either way
 }
 
 
@@ -450,6 +452,10 @@ def validate(cfg: TrainConfig) -> None:
     rule(cfg.finetune == "lora" or cfg.rollout_engine == "hf", "finetune",
          f"full weights reach only the hf rollout engine so far (rollout_engine={cfg.rollout_engine!r} is synced through "
          "a LoRA adapter): use --rollout_engine hf, or --finetune lora")
+    rule(cfg.shard in ("ddp", "fsdp"), "shard", "must be ddp or fsdp")
+    rule(cfg.shard == "ddp" or (cfg.rollout_engine == "hf" and cfg.max_staleness == 0), "shard",
+         "fsdp runs with rollout_engine hf and max_staleness 0 so far (the sharded policy generates in step with the "
+         "update): use --shard ddp for the vllm engines or async rollouts")
     rule(cfg.eval_n is None or cfg.eval_n >= 0, "eval_n", "must not be negative")
     rule(cfg.eval_max_new_tokens is None or cfg.eval_max_new_tokens >= 1, "eval_max_new_tokens", "must be at least 1")
     rule(cfg.eval_samples_per_prompt >= 1, "eval_samples_per_prompt", "must be at least 1")
@@ -659,6 +665,7 @@ class Plan:
     measure_kernels: bool  # ... only where a start-up measurement finds them faster (onednn_linear unset)
     keep_heap_memory: bool  # CPU: glibc keeps freed memory for reuse
     gradient_checkpointing: bool
+    fsdp: bool = False  # shard fsdp with several processes: the policy is fully_shard'ed (training/fsdp.py)
     full: bool = False  # finetune full: every weight trains (fp32 master weights), the reference is a frozen copy
     autocast: Any = None  # finetune full: the dtype forwards run in under torch.autocast (bf16), or None (fp32 products)
     world_size: int = 1  # processes training together (torchrun's WORLD_SIZE)
@@ -684,6 +691,9 @@ def resolve(cfg: TrainConfig) -> Plan:
     dtype, bf16_matmul, precision = pick_dtype(cfg.dtype, device)
     bf16_matmul = bf16_matmul and cfg.fast
     autocast = None
+    fsdp = cfg.shard == "fsdp" and launched_world_size() > 1
+    if bf16_matmul and fsdp:  # bf16 or packed copies of the weights would be whole on every rank
+        bf16_matmul, precision = False, f"{precision}; with shard fsdp: fp32 products (no whole bf16 weight copies)"
     if full:  # trained weights stay fp32 (master weights and AdamW state); bf16 only as autocast products
         autocast = torch.bfloat16 if dtype == torch.bfloat16 else None
         dtype, bf16_matmul = torch.float32, False
@@ -702,15 +712,16 @@ def resolve(cfg: TrainConfig) -> Plan:
         # is still not exactly 1 (other rows in the batch, LoRA dropout in training). And LoRA is merged
         # only into weights multiplied in fp32 (a bf16-rounded merged copy loses much of ΔW)
         sampler_logp=cfg.fast and cfg.logp_from_sampler and fp32_products,
-        merge_lora=cfg.fast and cfg.merge_lora_sampling and fp32_products and not full,
+        merge_lora=cfg.fast and cfg.merge_lora_sampling and fp32_products and not full and not fsdp,
         shared_prefix_scoring=cfg.fast and cfg.shared_prefix and (fp32_products or not cfg.gradient_checkpointing),
         shared_prefix_update=cfg.fast and cfg.shared_prefix and not cfg.gradient_checkpointing,
         fuse_accumulation=fuse, score_chunk=cfg.minibatch_size * (cfg.grad_accum_steps if fuse else 1),
         token_budget=CPU_TOKEN_BUDGET if cpu else CUDA_TOKEN_BUDGET,
         fuse_lora=cfg.fast and cfg.fuse_lora and not full, grouped_attention=cfg.fast and cpu,
         hash_dropout=cfg.fast and cfg.hash_dropout and cpu and not full,
-        onednn_linear=bool(cfg.fast and cfg.onednn_linear is not False and cpu and not full),  # packs frozen weights
+        onednn_linear=bool(cfg.fast and cfg.onednn_linear is not False and cpu and not full and not fsdp),  # packs weights
         measure_kernels=cfg.onednn_linear is None,
         keep_heap_memory=cfg.fast and cfg.keep_heap_memory and cpu, gradient_checkpointing=cfg.gradient_checkpointing,
-        full=full, autocast=autocast, world_size=launched_world_size(),
+        full=full, autocast=autocast, fsdp=fsdp,
+        world_size=launched_world_size(),
     )

@@ -125,6 +125,9 @@ METRICS: dict[str, Metric] = {
                                    "1 + clip_eps_high with a positive advantage; 0 for algo reinforce."),
     "train/grad_norm": Metric("mean", EVERY_STEP, "Gradient norm before clipping at max_grad_norm, mean over the "
                               "optimizer steps taken; null when none was taken."),
+    "train/state_mb": Metric("value", "when an optimizer step was taken", "MiB that rank 0 holds of the trained "
+                             "parameters, their gradients and the AdamW state at its last optimizer step (local shards "
+                             "with shard fsdp): the memory that sharding divides among the ranks."),
     "train/lr": Metric("value", EVERY_STEP, "The learning rate of this step (lr after warmup_steps' linear warmup)."),
     "train/entropy": Metric("mean", "unless old_logprobs=engine or async", "Mean token entropy (nats, temperature 1) "
                             "of the sampling policy over the step's completion tokens; absent when the old log-probs "

@@ -23,20 +23,36 @@ class FrozenReference:
     """Detached copies of `model`'s parameters as they are now (the base before any step)."""
 
     def __init__(self, model: torch.nn.Module):
+        self.model = model
         self.params = list(model.parameters())  # tied weights appear once
         self.copies = [p.detach().clone() for p in self.params]
 
     @contextmanager
-    def swapped_in(self) -> Iterator[None]:
+    def swapped_in(self) -> Iterator[torch.nn.Module]:
         """Inside the block the model's parameters hold the reference weights; after it, the policy's again."""
         policy = [p.data for p in self.params]
         try:
             for p, ref in zip(self.params, self.copies):
                 p.data = ref
-            yield
+            yield self.model
         finally:
             for p, data in zip(self.params, policy):
                 p.data = data
+
+
+class ShardedReference:
+    """The reference of a sharded (FSDP2) full-weight policy: a second, frozen copy of the base, sharded like the
+    policy (1/N per rank) and gathered for its forwards."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    @contextmanager
+    def swapped_in(self) -> Iterator[torch.nn.Module]:
+        from llmrl.training.fsdp import gathered
+
+        with gathered(self.module):
+            yield self.module
 
 
 def is_full(model) -> bool:
@@ -44,15 +60,20 @@ def is_full(model) -> bool:
     return not hasattr(model, "disable_adapter")
 
 
-def reference_policy(model):
-    """Context manager under which `model` computes the reference policy: LoRA disabled for an adapter, the
-    frozen base weights swapped in for a full-weight policy (which must have been prepared with kl_coef > 0)."""
+@contextmanager
+def reference_policy(model) -> Iterator[torch.nn.Module]:
+    """`with reference_policy(model) as ref:` ref computes the reference policy: `model` with LoRA disabled (an
+    adapter), or with the frozen base weights swapped in (full weights, prepared with kl_coef > 0), or the sharded
+    frozen copy of the base (full weights on FSDP2)."""
     if not is_full(model):
-        return model.disable_adapter()
+        with model.disable_adapter():
+            yield model
+        return
     reference = getattr(model, "llmrl_reference", None)
     if reference is None:
         raise RuntimeError("a full-weight policy without its frozen reference (prepare_full with reference=True)")
-    return reference.swapped_in()
+    with reference.swapped_in() as module:
+        yield module
 
 
 def prepare_full(model, gradient_checkpointing: bool, reference: bool, autocast: torch.dtype | None):

@@ -200,7 +200,7 @@ def add_logprobs(model, r: Rollout, *, chunk: int, group_size: int, shared_prefi
         r.logp_old = r.logp_old * r.completion_mask
         r.entropy = None if r.entropy is None else r.entropy * r.completion_mask
         if with_ref:
-            with reference_policy(model):  # LoRA off, or the frozen base weights (finetune full)
-                r.logp_ref = chunked_logprobs(model, r.input_ids, r.attention_mask, r.prompt_len, chunk, group)[0]
+            with reference_policy(model) as reference:  # LoRA off, or the frozen base weights (finetune full)
+                r.logp_ref = chunked_logprobs(reference, r.input_ids, r.attention_mask, r.prompt_len, chunk, group)[0]
             r.logp_ref = r.logp_ref * r.completion_mask
     return r

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from llmrl.chat_templates import use_chat_template
-from llmrl.checkpoint import latest_checkpoint, load_checkpoint, remove_stale_temporaries, save_checkpoint
+from llmrl.checkpoint import (latest_checkpoint, load_checkpoint, load_policy_weights, remove_stale_temporaries,
+                              save_checkpoint)
 from llmrl.config import Plan, TrainConfig, resolve, resume_differences, save_config
 from llmrl.errors import ConfigError, RunStopped
 from llmrl.logger import RunLogger, check_log_sizes, plain
@@ -53,6 +54,7 @@ from llmrl.training import hooks
 from llmrl.training.cpu_speed import keep_heap_memory, use_hash_dropout
 from llmrl.training.distributed import Dist, init_distributed
 from llmrl.training.evaluate import evaluate
+from llmrl.training.fsdp import full_state, gathered
 from llmrl.training.health import Health
 from llmrl.training.rollouts import RolloutSource
 from llmrl.training.update import UpdateSettings
@@ -112,7 +114,8 @@ def build_policy(cfg: TrainConfig, plan: Plan):
     use_chat_template(tokenizer, cfg.chat_template)  # --chat_template: for every prompt the run renders
     torch.manual_seed(cfg.seed)
     if plan.full:  # every weight trains: no adapter, no packed or bf16 copies of weights that change
-        model = prepare_full(base, plan.gradient_checkpointing, reference=plan.with_ref, autocast=plan.autocast)
+        model = prepare_full(base, plan.gradient_checkpointing, reference=plan.with_ref and not plan.fsdp,  # FSDP2: a
+                             autocast=plan.autocast)  # sharded copy instead (shard_sharded_run)
         contiguous_lm_head_input(model)
         if plan.grouped_attention:
             grouped_query_attention(model)
@@ -292,6 +295,10 @@ def build_run(cfg: TrainConfig, dist: Dist, lock: RunLock | None, resume: bool, 
         prepare_run_dir(run_dir, resume, overwrite)
     dist.barrier()
     model, tokenizer, kernels = build_policy(cfg, plan)
+    if checkpoint is not None:
+        load_policy_weights(checkpoint, model)  # before sharding: a checkpoint holds whole tensors
+    if plan.fsdp:
+        kernels += f"; FSDP2: {shard_sharded_run(cfg, plan, model)} blocks fully_shard'ed over {dist.world} ranks"
     if dist.is_main and plan.device.type == "cpu":
         print(f"llmrl: {plan.precision}\nllmrl: {kernels}", file=sys.stderr)
     if dist.enabled:
@@ -300,11 +307,11 @@ def build_run(cfg: TrainConfig, dist: Dist, lock: RunLock | None, resume: bool, 
     params = [p for p in model.parameters() if p.requires_grad]
     # full weights: AdamW's fused kernel (one pass over each tensor, CPU and CUDA) instead of a loop of ~10 ops per tensor
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay,
-                                  fused=True if plan.full else None)
+                                  fused=True if plan.full and not plan.fsdp else None)
     shuffle = torch.Generator().manual_seed(cfg.seed + 1)
     start, totals, health = 1, Totals(), Health()
     if checkpoint is not None:
-        state = load_checkpoint(checkpoint, model, optimizer, shuffle)
+        state = load_checkpoint(checkpoint, model, optimizer, shuffle, weights=False)
         restore_rank_rng(state, cfg, dist)
         task.load_state_dict(state["task"])
         start, totals = state["step"] + 1, Totals(**state["totals"])
@@ -346,6 +353,20 @@ def build_run(cfg: TrainConfig, dist: Dist, lock: RunLock | None, resume: bool, 
     return run
 
 
+def shard_sharded_run(cfg: TrainConfig, plan: Plan, model) -> int:
+    """--shard fsdp: fully_shard the policy (and, for full weights with a KL term, a frozen copy of the base as its
+    reference, sharded the same way); returns the number of blocks sharded."""
+    from llmrl.models.full import ShardedReference, prepare_full
+    from llmrl.training.fsdp import shard_policy
+
+    if plan.full and plan.with_ref:
+        base, _ = load_base_model(cfg.model, plan.device, plan.dtype)
+        reference = prepare_full(base, False, reference=False, autocast=plan.autocast).requires_grad_(False).eval()
+        shard_policy(reference, plan.world_size)
+        model.llmrl_reference = ShardedReference(reference)
+    return shard_policy(model, plan.world_size)
+
+
 def environment_runner(cfg: TrainConfig, task: Task, model, tokenizer) -> EpisodeRunner:
     """The episode runner of the task: a multi-turn environment's (its chat-template check included), or
     a single-turn task's one-turn episodes (`OneTurn`): every rollout is made by run_episodes."""
@@ -357,6 +378,7 @@ def save(run: Run, step: int) -> Path | None:
     """Checkpoint the run after `step` (rank 0 writes; every rank's dropout RNG goes with it), then config.yaml.
     Any failed write (a full disk, an I/O error) stops the run in one line naming the checkpoint it kept."""
     rank_rng = run.dist.gather(rank_rng_state())
+    whole = full_state(run.model, run.optimizer) if run.plan.fsdp else None  # every rank takes part
     if not run.dist.is_main:
         return None
     drawn_from = run.rollouts.drawn_from if run.rollouts is not None else {}
@@ -370,7 +392,8 @@ def save(run: Run, step: int) -> Path | None:
     try:
         state["logs"] = run.logger.durable_sizes()  # what a resume must find in the logs, at least
         path = save_checkpoint(run.dir, step, run.model, run.optimizer, state, run.shuffle, keep=run.cfg.keep_checkpoints,
-                               extra_rng=extra, base_model=run.cfg.model, card=model_card(run.cfg, step, run.dir))
+                               extra_rng=extra, base_model=run.cfg.model, card=model_card(run.cfg, step, run.dir),
+                               whole=whole)
     except OSError as e:
         raise RunStopped(f"could not write the checkpoint of step {step}: {e.strerror or e}; "
                          f"{kept_checkpoint(run)}") from None
@@ -424,8 +447,9 @@ def eval_policy(cfg: TrainConfig, model, tokenizer, task: Task, engine: RolloutE
 def evaluate_and_log(run: Run, step: int) -> dict[str, float]:
     """Evaluate, log the metrics and completions, refresh the report."""
     t0 = time.perf_counter()
-    metrics, rows = eval_policy(run.cfg, run.model, run.tokenizer, run.task, run.engine, run.dist, run.episodes,
-                                version=step)
+    with gathered(run.model):  # FSDP2: eval generates on the whole model (a no-op unsharded)
+        metrics, rows = eval_policy(run.cfg, run.model, run.tokenizer, run.task, run.engine, run.dist, run.episodes,
+                                    version=step)
     metrics["time/eval_s"] = time.perf_counter() - t0
     run.logger.log(step, metrics)
     run.logger.log_samples(step, rows, eval=True)

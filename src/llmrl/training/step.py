@@ -39,6 +39,7 @@ from llmrl.tasks import Example, Reward
 from llmrl.tasks.env import Episode, prompt_text
 from llmrl.tasks.score import score, score_episodes
 from llmrl.training.rollouts import Drawn, draw
+from llmrl.training.fsdp import gathered
 from llmrl.training.run import Run
 from llmrl.training.update import UpdateBatch, UpdateStats, add_diff, policy_update, warmup_factor
 
@@ -202,7 +203,8 @@ def collect(run: Run, step: int) -> Collected:
     now from the policy before this step (version step-1), or, one step ahead (max_staleness), during the
     step before (version step-2)."""
     t0 = time.perf_counter()
-    s = sample_and_score(run, step, run.rollouts.draw(step))
+    with gathered(run.model):  # FSDP2: rollouts and their log-probs on the whole model (a no-op unsharded)
+        s = sample_and_score(run, step, run.rollouts.draw(step))
     if run.plan.one_ahead:
         lag = (step - 1) - s.rollout.version
         s.counts.lag = LagCounts(lag_sum=int(lag.sum()), rows=len(lag), lag_max=int(lag.max()))
@@ -269,6 +271,8 @@ def step_record(run: Run, c: Collected, stats: UpdateStats, update_s: float) -> 
                "adv/min": adv.min().item(), "adv/max": adv.max().item(),
                "rollout/zero_spread_frac": zero_spread_fraction(rewards_t, cfg.group_size)}
     record |= {f"train/{k}": getattr(stats, k) for k in (*stats.MEAN_FIELDS, "grad_norm", "lr")}
+    if stats.state_mb is not None:
+        record["train/state_mb"] = stats.state_mb  # rank 0's
     if stats.entropy is not None:
         record["train/entropy"] = stats.entropy
     if stats.engine_diff is not None:  # with the policy's lag (async) under another name

@@ -14,6 +14,7 @@ from llmrl.algorithms.core import (
 from llmrl.algorithms.losses import AGGREGATIONS, LOSSES, LossSettings
 from llmrl.models.scoring import sequence_logprobs, shared_prefix_logprobs
 from llmrl.training.distributed import Dist, all_reduce_grads
+from llmrl.training.fsdp import held_bytes, is_sharded, total_norm, zero_backward
 
 
 def warmup_factor(rl_step: int, warmup_steps: int) -> float:
@@ -86,6 +87,7 @@ class UpdateStats:
     #   engine's, over this rank's first window (the step fills it in for other vLLM runs, and sums it over ranks)
     entropy: float | None = None  # the step's: the sampling policy's mean token entropy (hf engine)
     lagged: bool = False  # the rows were drawn by an older policy than the one updated (async)
+    state_mb: float | None = None  # this rank's trained parameters + gradients + optimizer state at an optimizer step
 
     MEAN_FIELDS = ("loss", "pg_loss", "kl", "clip_frac", "clip_frac_low", "clip_frac_high")
 
@@ -195,6 +197,7 @@ def policy_update(model, optimizer: torch.optim.Optimizer, batch: UpdateBatch, s
     norm skips that optimizer step. The learning rate is the optimizer's, as set by the caller.
     """
     dist = dist or Dist()
+    sharded = is_sharded(model)
     params = [p for p in model.parameters() if p.requires_grad]
     loss_fn, kl_fn = LOSSES[s.algo], KL_ESTIMATORS[s.kl_estimator]
     lengths = batch.lengths
@@ -260,14 +263,22 @@ def policy_update(model, optimizer: torch.optim.Optimizer, batch: UpdateBatch, s
                     sums[key] += tok_w * parts.get(key, 0.0)
             if not bad:
                 chunk_loss.backward()
-        bad = all_reduce_grads(params, bad, dist)
-        norm = torch.nn.utils.clip_grad_norm_(params, s.max_grad_norm).item()
+            elif sharded:
+                zero_backward(model)  # FSDP2: every rank runs the window's reduce-scatters
+        if sharded:  # gradients already summed into each rank's shard; every rank runs as many backwards
+            for _ in range(max(dist.gather(len(chunks))) - len(chunks)):
+                zero_backward(model)
+            bad = dist.any(bad)
+        else:
+            bad = all_reduce_grads(params, bad, dist)
+        norm = total_norm(torch.nn.utils.clip_grad_norm_(params, s.max_grad_norm))
         if bad or not math.isfinite(norm):
             stats.skipped_updates += 1
             stats.trailing_skips += 1
         else:
             stats.trailing_skips = 0
             optimizer.step()
+            stats.state_mb = held_bytes(params, optimizer) / 2**20  # gradients and AdamW state all exist now
             stats.optimizer_steps += 1
             grad_norms.append(norm)
         optimizer.zero_grad(set_to_none=True)

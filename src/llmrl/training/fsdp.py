@@ -1,0 +1,120 @@
+"""FSDP2 sharding (`--shard fsdp`, with torchrun): each rank holds 1/W of every weight, of its gradient and of
+its AdamW state, through PyTorch's own `torch.distributed.fsdp.fully_shard` (DTensor parameters).
+
+How llmrl's loop runs on a sharded policy:
+
+    shard_policy     each transformer block (the model's `_no_split_modules` classes) is fully_shard'ed, then the
+                     root; gradients are reduce-scattered as sums (the ranks' losses are their shares of the
+                     global minibatch's, as with DDP: distributed.py), on gloo too (no PREMUL_SUM there)
+    gathered(model)  generation, the old/reference log-prob forwards and eval run on the unsharded module: one
+                     all-gather of every block before, a reshard after. Ranks sample different completion
+                     lengths, so their forward counts differ; forwards of an unsharded module need no
+                     collectives, so nothing waits on a rank that stopped early. The whole model is held
+                     unsharded for those phases (W× the sharded parameters), not the gradients or AdamW state.
+    backward_in_step the update's forwards are sharded (an all-gather per block, a reduce-scatter per backward):
+                     every rank must run as many backwards in an optimizer window, so a rank with fewer pieces
+                     (or a non-finite loss) runs zero-loss backwards (`zero_backward`) to keep step.
+    checkpoints      the full state (model and optimizer, `torch.distributed.checkpoint.state_dict` with
+                     full_state_dict) is gathered to rank 0 and written in the format of an unsharded run's
+                     checkpoint, so it resumes on any number of ranks, sharded or not (checkpoint.py)
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+
+def fsdp_modules(model) -> list:
+    """The fully_shard'ed modules of `model` (none when it is not sharded)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def is_sharded(model) -> bool:
+    return bool(fsdp_modules(model))
+
+
+def shard_policy(model, world: int) -> int:
+    """fully_shard each transformer block of `model` (a transformers model, or a PEFT model around one: LoRA's
+    frozen base is sharded with its adapters), then the root, over all ranks; returns the number of blocks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    block_classes = set(getattr(inner, "_no_split_modules", None) or [])
+    blocks = [m for m in inner.modules() if type(m).__name__ in block_classes]
+    if not blocks:
+        from llmrl.errors import ConfigError
+
+        raise ConfigError(f"shard=fsdp: {type(inner).__name__} names no transformer block class (_no_split_modules) "
+                          "to shard by: use --shard ddp")
+    device = next(inner.parameters()).device
+    mesh = init_device_mesh(device.type, (world,))
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(inner, mesh=mesh)
+    for m in fsdp_modules(inner):
+        m.set_gradient_divide_factor(1.0)  # sum the ranks' gradients (each loss is its share of the global one)
+        m.set_force_sum_reduction_for_comms(True)  # a plain SUM reduce-scatter (gloo has no PREMUL_SUM)
+    return len(blocks)
+
+
+@contextmanager
+def gathered(model) -> Iterator[None]:
+    """Inside the block `model`'s parameters are whole on every rank and its forwards run no collectives (generate,
+    scoring, eval); resharded after. A no-op for a model that is not sharded. Every rank must enter it together."""
+    modules = fsdp_modules(model)
+    try:
+        for m in modules:
+            m.set_reshard_after_forward(False, recurse=False)
+        for m in modules:
+            m.unshard()
+        yield
+    finally:
+        for m in modules:
+            m.reshard()
+            m.set_reshard_after_forward(True, recurse=False)
+
+
+def zero_backward(model) -> None:
+    """A forward and backward of one token with a zero loss: the same all-gathers and reduce-scatters as a real
+    piece, adding nothing to any gradient (keeps a rank in step with ranks that have more pieces)."""
+    device = next(model.parameters()).device
+    out = model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device)).logits
+    (out.float().sum() * 0.0).backward()
+
+
+def total_norm(norm) -> float:
+    """clip_grad_norm_'s result as a float (a DTensor for sharded gradients)."""
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def full_state(model, optimizer) -> tuple[dict, dict] | None:
+    """(model state, optimizer state), whole tensors on the CPU of rank 0 (None on the others), keyed by parameter
+    name: what an unsharded run's checkpoint holds (LoRA: the adapter's tensors only). Every rank must call it."""
+    import torch.distributed as tdist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    full = not hasattr(model, "disable_adapter")
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=not full)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+    kept = dict(model.named_parameters())  # a tied weight (the LM head) once, under its first name, as save_pretrained
+    tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - set(kept)
+    model_state = {k: v for k, v in model_state.items() if k not in tied}
+    return (model_state, optimizer_state) if tdist.get_rank() == 0 else None
+
+
+def held_bytes(params: list, optimizer) -> int:
+    """Bytes this rank holds of the trained parameters, their gradients and the optimizer's state (local shards of
+    sharded tensors): what sharding divides by the number of ranks."""
+    def local(t) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    tensors = [*params, *(p.grad for p in params if p.grad is not None),
+               *(v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))]
+    return sum(local(t) for t in tensors)

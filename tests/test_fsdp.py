@@ -1,0 +1,82 @@
+"""FSDP2 (`--shard fsdp`, gloo on CPU): sharded full weights and sharded LoRA bases train as one process does,
+each rank holds about half the trained state, a SIGKILLed sharded run resumes exactly, and its checkpoint resumes
+on one process.
+
+Tolerance: the ranks' gradients are reduce-scattered as fp32 sums, so 2 ranks differ from 1 only in the order of
+those sums (a few ulps of each gradient, ~1e-7 relative). Adam's step is ~lr = 1e-3 per weight and per step, so
+after 3 steps the weights agree to well under 1e-5 unless a gradient is lost, doubled or averaged (a factor of 2 in
+each gradient changes Adam's steps where eps matters and every loss-scaled quantity after clipping)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from helpers import cli, read_jsonl, tiny_args
+
+pytestmark = pytest.mark.slow
+
+
+def args(model, out, steps=3, **extra):
+    return tiny_args(model, out, "grpo", steps=steps, **{"lora_dropout": 0, "eval_n": 3, "lr": "1e-3", **extra})
+
+
+def max_diff(a: Path, b: Path, name: str) -> float:
+    ta, tb = load_file(a / name), load_file(b / name)
+    assert ta.keys() == tb.keys()
+    return max((ta[k] - tb[k]).abs().max().item() for k in ta)
+
+
+@pytest.fixture(scope="module")
+def full_one(tmp_path_factory, tiny_model_dir):
+    out = tmp_path_factory.mktemp("fsdp") / "one"
+    cli(*args(tiny_model_dir, out, finetune="full"))
+    return out
+
+
+def test_full_weights_on_two_sharded_ranks_equal_one_process(tmp_path, tiny_model_dir, full_one):
+    two = tmp_path / "two"
+    p = cli(*args(tiny_model_dir, two, finetune="full", shard="fsdp"), "--nproc", "2")
+    assert "FSDP2: 2 blocks fully_shard'ed over 2 ranks" in p.stderr
+    step3 = "checkpoints/step_000003"
+    assert max_diff(full_one / step3, two / step3, "model.safetensors") <= 1e-5
+    one_records, two_records = read_jsonl(full_one / "metrics.jsonl"), read_jsonl(two / "metrics.jsonl")
+    assert [r["step"] for r in two_records] == [r["step"] for r in one_records] == [0, 1, 1, 2, 2, 3, 3]  # once each
+    for a, b in zip(one_records, two_records):
+        if "reward/mean" in a:
+            assert b["reward/mean"] == pytest.approx(a["reward/mean"], abs=1e-5)
+            # parameters + gradients + AdamW state: each rank holds its half of every tensor
+            assert b["train/state_mb"] <= 0.6 * a["train/state_mb"], (a["train/state_mb"], b["train/state_mb"])
+
+
+def test_lora_on_a_sharded_base_equals_ddp(tmp_path, tiny_model_dir):
+    ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
+    cli(*args(tiny_model_dir, ddp), "--nproc", "2")
+    p = cli(*args(tiny_model_dir, fsdp, shard="fsdp"), "--nproc", "2")
+    assert "FSDP2: 2 blocks fully_shard'ed over 2 ranks" in p.stderr
+    step3 = "checkpoints/step_000003"
+    assert max_diff(ddp / step3, fsdp / step3, "adapter_model.safetensors") <= 1e-5
+
+
+def test_a_sigkilled_sharded_run_resumes_exactly_and_on_one_process(tmp_path, tiny_model_dir):
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    full = {"finetune": "full", "shard": "fsdp"}
+    cli(*args(tiny_model_dir, straight, steps=4, **full), "--nproc", "2")
+    tests = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": str(tests) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(tests / "faults.py"), "kill_in_rollout@3%0", *args(tiny_model_dir, killed, steps=4, **full)],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode != 0
+    assert sorted(c.name for c in (killed / "checkpoints").glob("step_*")) == ["step_000001", "step_000002"]
+    cli("train", "--resume", str(killed), "--nproc", "2", "--trust_task_code")
+    step4 = "checkpoints/step_000004"
+    assert max_diff(straight / step4, killed / step4, "model.safetensors") <= 1e-6
+    assert [r["step"] for r in read_jsonl(killed / "metrics.jsonl")] == [0, 1, 1, 2, 2, 3, 3, 4, 4]  # each once
+    # the sharded checkpoint (whole tensors, optimizer keyed by name) continues on one unsharded process
+    p = cli("train", "--resume", str(killed), "--steps", "5", "--trust_task_code")
+    assert (killed / "checkpoints/step_000005/model.safetensors").is_file()
+    assert max_diff(killed / step4, killed / "checkpoints/step_000005", "model.safetensors") > 1e-5  # it trained
