@@ -129,3 +129,37 @@ def test_export_of_full_weights_is_a_plain_model_with_evals_completions(tmp_path
         got.append(tok.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
     assert got == expected and any(expected)
     assert json.loads((tmp_path / "model" / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_memory_plan_counts_by_hand():
+    """plan_memory and activation_bytes against hand-worked bytes for a made-up shape (sizes not powers of two)."""
+    from llmrl.memory_plan import Shape, activation_bytes, plan_memory
+
+    s = Shape(params=1_000_003, lora_params=7_001, layers=3, hidden=96, kv_dim=32, intermediate=260, vocab=1_001)
+    common = dict(kl=True, tokens=50, logit_tokens=20, checkpointing=False, act_bytes=4, runtime=11)
+    full = plan_memory(s, full=True, world=1, fsdp=False, base_bytes=2, **common)
+    assert (full.parameters, full.gradients, full.optimizer, full.reference) == (4_000_012, 4_000_012, 8_000_024, 4_000_012)
+    # per token and block: 7·96 + 3·32 + 4·260 = 1808 elements; 3 blocks × 50 tokens × 4 bytes, + 3 × 20 × 1001 × 4
+    assert full.activations == 3 * 1808 * 50 * 4 + 3 * 20 * 1001 * 4 == activation_bytes(s, 50, 20, False, 4)
+    assert full.peak == 20_000_060 + full.activations + 11
+    sharded = plan_memory(s, full=True, world=3, fsdp=True, base_bytes=2, **common)
+    assert (sharded.parameters, sharded.optimizer, sharded.reference) == (4_000_012 // 3, 8_000_024 // 3, 4_000_012 // 3)
+    assert sharded.gathered == 8_000_024 - 8_000_024 // 3  # generation holds the whole policy and reference
+    assert sharded.checkpoint == 12_000_036 and sharded.peak == (
+        4_000_012 // 3 * 3 + 8_000_024 // 3 + max(sharded.activations, sharded.gathered, 12_000_036) + 11)
+    lora = plan_memory(s, full=False, world=2, fsdp=False, base_bytes=2, **common)
+    assert (lora.parameters, lora.gradients, lora.optimizer, lora.reference) == (2_000_006 + 28_004, 28_004, 56_008, 0)
+    # checkpointing keeps each block's input (96 per token) and one block's tensors
+    assert activation_bytes(s, 50, 20, True, 2) == (3 * 96 + 1808) * 50 * 2 + 3 * 20 * 1001 * 4
+
+
+def test_dry_run_counts_the_models_parameters(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    p = cli(*full_args(tiny_model_dir, tmp_path / "r", kl_coef=0), "--dry_run", "--nproc", "2", "--shard", "fsdp")
+    assert not (tmp_path / "r").exists()  # nothing ran
+    n = sum(t.numel() for t in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
+    assert f"{n / 1e6:.1f}M parameters, finetune full, 2 rank(s), shard fsdp" in p.stdout
+    line = next(x for x in p.stdout.splitlines() if x.strip().startswith("parameters"))
+    assert float(line.split()[1]) == pytest.approx(n * 4 / 2 / 2**30, abs=6e-4)  # printed to 1e-3 GiB
+    assert "reference copy                  0.000 GiB" in p.stdout  # kl_coef 0: no reference

@@ -34,7 +34,7 @@ class OneLineParser(argparse.ArgumentParser):
                 training = ", ".join(u for u in unknown if u[2:] in FIELDS)
                 self.exit(2, f"{self.prog}: error: {training}: training options, which eval does not use "
                              "(`llmrl eval --help` lists what it does)\n")
-            others = ("config", "resume", "overwrite", "nproc", "nnodes", "rdzv_endpoint", "run", "adapter", "base", "output", "trust_task_code")
+            others = ("config", "resume", "overwrite", "nproc", "dry_run", "nnodes", "rdzv_endpoint", "run", "adapter", "base", "output", "trust_task_code")
             hints = [f"{u}: {hint}" for u in unknown if (hint := key_hint(u[2:], "--", others))]
             where = f"llmrl {OneLineParser.command} --help" if OneLineParser.command else "llmrl COMMAND --help"
             message = f"unknown option {', '.join(unknown) or message}" + (f" ({'; '.join(hints)})" if hints else "") + \
@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--trust_task_code", action="store_true", help=TRUST_HELP)
     train.add_argument("--nproc", type=int, default=1, metavar="N",
                        help="data-parallel processes on this machine: launches torchrun (default: 1)")
+    train.add_argument("--dry_run", action="store_true",
+                       help="print the memory plan per rank (parameters, gradients, optimizer, reference, activations) "
+                            "for this config and --nproc × --nnodes ranks, from the model's config alone; train nothing")
     train.add_argument("--nnodes", type=int, default=1, metavar="N",
                        help="machines training together: run the same command on each, with --rdzv_endpoint (default: 1)")
     train.add_argument("--rdzv_endpoint", metavar="HOST:PORT",
@@ -367,6 +370,12 @@ def main(argv: list[str] | None = None) -> int:
     OneLineParser.command = next((a for a in argv if not a.startswith("-")), None)
     try:
         args = build_parser().parse_args(argv)
+        if args.command == "train" and args.dry_run:
+            from llmrl.memory_plan import dry_run
+
+            cfg = resume_config(args) if args.resume else load_config(args.config, overrides_from(args))
+            print("\n".join(dry_run(cfg, max(args.nproc, 1) * max(args.nnodes, 1))))
+            return 0
         if args.command == "train" and (args.nproc != 1 or args.nnodes != 1) and "WORLD_SIZE" not in os.environ:
             # report a bad config (or a run dir's untrusted task code) before starting N processes
             cfg = resume_config(args) if args.resume else load_config(args.config, overrides_from(args))
