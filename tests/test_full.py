@@ -145,8 +145,10 @@ def test_memory_plan_counts_by_hand():
     sharded = plan_memory(s, full=True, world=3, fsdp=True, base_bytes=2, **common)
     assert (sharded.parameters, sharded.optimizer, sharded.reference) == (4_000_012 // 3, 8_000_024 // 3, 4_000_012 // 3)
     assert sharded.gathered == 8_000_024 - 8_000_024 // 3  # generation holds the whole policy and reference
-    assert sharded.checkpoint == 12_000_036 and sharded.peak == (
-        4_000_012 // 3 * 3 + 8_000_024 // 3 + max(sharded.activations, sharded.gathered, 12_000_036) + 11)
+    assert sharded.checkpoint == 0 and sharded.peak == (  # full weights: each rank writes its own shards
+        4_000_012 // 3 * 3 + 8_000_024 // 3 + max(sharded.activations, sharded.gathered) + 11)
+    lora_sharded = plan_memory(s, full=False, world=2, fsdp=True, base_bytes=2, **common)
+    assert lora_sharded.checkpoint == 7_001 * 12  # the adapter and its AdamW moments, gathered to rank 0
     lora = plan_memory(s, full=False, world=2, fsdp=False, base_bytes=2, **common)
     assert (lora.parameters, lora.gradients, lora.optimizer, lora.reference) == (2_000_006 + 28_004, 28_004, 56_008, 0)
     # checkpointing keeps each block's input (96 per token) and one block's tensors

@@ -151,20 +151,25 @@ def save_checkpoint(
     run_dir: Path, step: int, model, optimizer: torch.optim.Optimizer, state: dict[str, Any],
     generator: torch.Generator, keep: int = 0, extra_rng: dict[str, torch.Tensor] | None = None,
     base_model: str | None = None, card: str | None = None, whole: tuple[dict, dict] | None = None,
+    sharded: Path | None = None,
 ) -> Path:
     """Write the checkpoint of `step` atomically, point `latest` at it, keep the newest `keep` (0: all).
     base_model: how adapter_config.json names the base (as the user gave it, not this machine's cache path);
     card: the README.md written instead of PEFT's empty template; whole: a sharded run's (model, optimizer) state
     gathered to this rank (training/fsdp.py:full_state), written in an unsharded run's format. A failed write raises
-    OSError, with `latest` still naming the previous checkpoint."""
+    OSError, with `latest` still naming the previous checkpoint. sharded: the temporary directory (checkpoint_tmp)
+    into which every rank has written its shards of the weights and optimizer (training/fsdp.py:save_sharded): it
+    becomes the checkpoint, with the model's config.json beside the shards."""
     from safetensors import SafetensorError
 
     final = checkpoint_dir(run_dir, step)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".tmp-step_{step:06d}-"))
+    tmp = sharded or checkpoint_tmp(run_dir, step)
     try:
         try:
-            model.save_pretrained(tmp, **({"state_dict": whole[0]} if whole else {}))
+            if sharded:  # the weights are the shards; config.json says what model they belong to
+                model.config.save_pretrained(tmp)
+            else:
+                model.save_pretrained(tmp, **({"state_dict": whole[0]} if whole else {}))
         except SafetensorError as e:
             raise as_os_error(e) from None
         if base_model is not None and (tmp / "adapter_config.json").exists():  # full weights: config.json, no adapter
@@ -173,7 +178,8 @@ def save_checkpoint(
             _write(tmp / "adapter_config.json", json.dumps(adapter_config, indent=2))
         if card is not None:
             _write(tmp / "README.md", card)
-        _write(tmp / "optimizer.pt", _torch_bytes(whole[1] if whole else optimizer.state_dict()))
+        if not sharded:  # (the shards hold the optimizer's state)
+            _write(tmp / "optimizer.pt", _torch_bytes(whole[1] if whole else optimizer.state_dict()))
         plain, tensors = rng_state()
         _write(tmp / "rng.pt", _torch_bytes({**tensors, **(extra_rng or {}), "shuffle": generator.get_state()}))
         _write(tmp / "trainer_state.json", json.dumps({**state, "step": step, "rng": plain}))
@@ -190,6 +196,13 @@ def save_checkpoint(
         for old in sorted(final.parent.glob("step_*"))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def checkpoint_tmp(run_dir: Path, step: int) -> Path:
+    """A new temporary directory for the checkpoint of `step` (renamed into place when complete)."""
+    final = checkpoint_dir(run_dir, step)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(dir=final.parent, prefix=f".tmp-step_{step:06d}-"))
 
 
 def latest_checkpoint(run_dir: Path, report=lambda msg: print(msg, file=sys.stderr)) -> Path | None:
@@ -211,9 +224,15 @@ def load_tensors(path: Path, device: torch.device | str = "cpu") -> Any:
         raise ConfigError(f"checkpoint file {path} is not a plain tensor file, refusing to load it ({first})") from None
 
 
+def is_sharded_checkpoint(path: Path) -> bool:
+    """A checkpoint of sharded full weights: DCP shards (`.metadata` and `__<rank>_0.distcp`), not model.safetensors."""
+    return (path / ".metadata").is_file()
+
+
 def is_full_checkpoint(path: Path) -> bool:
-    """A full-weight checkpoint (model*.safetensors + config.json) rather than a LoRA adapter."""
-    return not (path / "adapter_model.safetensors").exists() and any(path.glob("model*.safetensors"))
+    """A full-weight checkpoint (model*.safetensors or DCP shards, + config.json) rather than a LoRA adapter."""
+    return not (path / "adapter_model.safetensors").exists() and (
+        any(path.glob("model*.safetensors")) or is_sharded_checkpoint(path))
 
 
 def load_policy_weights(path: Path, model) -> None:
@@ -235,6 +254,11 @@ def load_policy_weights(path: Path, model) -> None:
 
         set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors", device=device))
         return
+    if is_sharded_checkpoint(path):
+        from llmrl.training.fsdp import load_sharded
+
+        load_sharded(path, model)
+        return
     state: dict[str, torch.Tensor] = {}
     for shard in sorted(path.glob("model*.safetensors")):
         state.update(load_file(shard, device=device))
@@ -251,8 +275,11 @@ def load_policy_weights(path: Path, model) -> None:
 def load_optimizer(path: Path, model, optimizer: torch.optim.Optimizer) -> None:
     """An optimizer.pt into `optimizer`: saved by an unsharded run (keyed by parameter index) or a sharded one
     (keyed by parameter name, whole tensors), into an unsharded or a sharded (FSDP2) policy."""
-    from llmrl.training.fsdp import is_sharded
+    from llmrl.training.fsdp import is_sharded, load_sharded
 
+    if is_sharded_checkpoint(path):  # the shards hold the optimizer's state (and the weights, read again)
+        load_sharded(path, model, optimizer)
+        return
     saved = load_tensors(path / "optimizer.pt", next(model.parameters()).device)
     by_name = any(isinstance(k, str) for k in saved.get("state", {})) or any(
         isinstance(p, str) for g in saved.get("param_groups", []) for p in g["params"])

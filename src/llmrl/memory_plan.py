@@ -7,8 +7,8 @@
     reference    full weights with kl_coef > 0: a frozen fp32 copy of the base (1/N with fsdp); LoRA: none (the
                  adapter switched off)
     gathered     shard fsdp: generation and scoring run on the whole model, gathered (policy, and the reference)
-    checkpoint   shard fsdp, rank 0: a checkpoint gathers the whole trained weights and AdamW state to its CPU
-                 memory (fp32): counted where the policy lives in CPU memory too (device cpu), not on a GPU
+    checkpoint   shard fsdp with LoRA, rank 0: a checkpoint gathers the adapter and its AdamW state to its CPU
+                 memory (counted on device cpu; full weights write their shards where they are, DCP)
     activations  the largest training forward: token_budget padded tokens at most (rows × (prompt + completion)),
                  the tensors autograd keeps per token and layer (counted below for a Llama/Qwen block), and the
                  completion positions' logits three times (logits, log-softmax, their gradient)
@@ -103,7 +103,7 @@ def plan_memory(s: Shape, *, full: bool, world: int, fsdp: bool, base_bytes: int
     weights = s.params * 4 if full else s.params * base_bytes + s.lora_params * 4
     reference = s.params * 4 if full and kl else 0
     gathered = (weights + reference) - (weights + reference) // share if fsdp else 0  # the rest of the whole model
-    checkpoint = trained * 12 if fsdp and cpu else 0  # whole fp32 weights and both AdamW moments of what trains
+    checkpoint = trained * 12 if fsdp and cpu and not full else 0  # the adapter's fp32 weights and AdamW moments
     return MemoryPlan(parameters=weights // share, gradients=trained * 4 // share, optimizer=trained * 8 // share,
                       reference=reference // share, gathered=gathered, checkpoint=checkpoint,
                       activations=activation_bytes(s, tokens, logit_tokens, checkpointing, act_bytes), runtime=runtime)

@@ -14,9 +14,11 @@ How llmrl's loop runs on a sharded policy:
     backward_in_step the update's forwards are sharded (an all-gather per block, a reduce-scatter per backward):
                      every rank must run as many backwards in an optimizer window, so a rank with fewer pieces
                      (or a non-finite loss) runs zero-loss backwards (`zero_backward`) to keep step.
-    checkpoints      the full state (model and optimizer, `torch.distributed.checkpoint.state_dict` with
-                     full_state_dict) is gathered to rank 0 and written in the format of an unsharded run's
-                     checkpoint, so it resumes on any number of ranks, sharded or not (checkpoint.py)
+    checkpoints      full weights: each rank writes its own shards of the model and AdamW state through
+                     `torch.distributed.checkpoint` (DCP: `__<rank>_0.distcp` files and `.metadata` in the checkpoint
+                     directory), nothing gathered; DCP reshards on load, so it resumes on any number of ranks,
+                     sharded or not, and `llmrl export` consolidates it. LoRA: the adapter and its AdamW state are
+                     small, gathered to rank 0 (`full_state`) and written as an unsharded run's checkpoint
 """
 
 from __future__ import annotations
@@ -118,3 +120,33 @@ def held_bytes(params: list, optimizer) -> int:
     tensors = [*params, *(p.grad for p in params if p.grad is not None),
                *(v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))]
     return sum(local(t) for t in tensors)
+
+
+def save_sharded(model, optimizer, directory) -> None:
+    """Every rank writes its shards of the model's weights and the optimizer's state into `directory` (DCP).
+    Every rank must call it; a failed write on any rank raises on all of them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(directory))
+
+
+def load_sharded(directory, model, optimizer=None) -> None:
+    """Load a DCP checkpoint's weights (and optimizer state) into `model` (and `optimizer`), sharded or not, on any
+    number of ranks (DCP reshards); without a process group each process reads the whole tensors."""
+    import torch.distributed as tdist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                         set_state_dict)
+
+    no_dist = not (tdist.is_available() and tdist.is_initialized())
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=str(directory), no_dist=no_dist)
+        set_model_state_dict(model, state["model"])
+        return
+    model_state, optimizer_state = get_state_dict(model, optimizer)  # AdamW's state allocated, to be filled
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=str(directory), no_dist=no_dist)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from llmrl.chat_templates import use_chat_template
-from llmrl.checkpoint import (latest_checkpoint, load_checkpoint, load_policy_weights, remove_stale_temporaries,
-                              save_checkpoint)
+from llmrl.checkpoint import (checkpoint_tmp, latest_checkpoint, load_checkpoint, load_policy_weights,
+                              remove_stale_temporaries, save_checkpoint)
 from llmrl.config import Plan, TrainConfig, resolve, resume_differences, save_config
 from llmrl.errors import ConfigError, RunStopped
 from llmrl.logger import RunLogger, check_log_sizes, plain
@@ -55,6 +55,7 @@ from llmrl.training.cpu_speed import keep_heap_memory, use_hash_dropout
 from llmrl.training.distributed import Dist, init_distributed
 from llmrl.training.evaluate import evaluate
 from llmrl.training.fsdp import full_state, gathered
+from llmrl.training.fsdp import save_sharded as save_shards_to
 from llmrl.training.health import Health
 from llmrl.training.rollouts import RolloutSource
 from llmrl.training.update import UpdateSettings
@@ -378,7 +379,8 @@ def save(run: Run, step: int) -> Path | None:
     """Checkpoint the run after `step` (rank 0 writes; every rank's dropout RNG goes with it), then config.yaml.
     Any failed write (a full disk, an I/O error) stops the run in one line naming the checkpoint it kept."""
     rank_rng = run.dist.gather(rank_rng_state())
-    whole = full_state(run.model, run.optimizer) if run.plan.fsdp else None  # every rank takes part
+    sharded = save_shards(run, step) if run.plan.fsdp and run.plan.full else None  # every rank writes its shards
+    whole = full_state(run.model, run.optimizer) if run.plan.fsdp and not run.plan.full else None  # LoRA: gathered
     if not run.dist.is_main:
         return None
     drawn_from = run.rollouts.drawn_from if run.rollouts is not None else {}
@@ -393,7 +395,7 @@ def save(run: Run, step: int) -> Path | None:
         state["logs"] = run.logger.durable_sizes()  # what a resume must find in the logs, at least
         path = save_checkpoint(run.dir, step, run.model, run.optimizer, state, run.shuffle, keep=run.cfg.keep_checkpoints,
                                extra_rng=extra, base_model=run.cfg.model, card=model_card(run.cfg, step, run.dir),
-                               whole=whole)
+                               whole=whole, sharded=sharded)
     except OSError as e:
         raise RunStopped(f"could not write the checkpoint of step {step}: {e.strerror or e}; "
                          f"{kept_checkpoint(run)}") from None
@@ -404,6 +406,22 @@ def save(run: Run, step: int) -> Path | None:
                          f"complete: fix the cause and run `{resume_command(run.cfg, run.dir)}`") from None
     hooks.fire("after_checkpoint", path=path)
     return path
+
+
+def save_shards(run: Run, step: int) -> Path:
+    """FSDP2 full weights: every rank writes its shards of the weights and AdamW state (DCP) into one new temporary
+    checkpoint directory (made by rank 0), which save_checkpoint completes; a failed write stops every rank in one
+    line, the temporary directory removed and the previous checkpoint intact."""
+    made = checkpoint_tmp(run.dir, step) if run.dist.is_main else None
+    tmp = Path(run.dist.gather(str(made) if made else "")[0])
+    try:
+        save_shards_to(run.model, run.optimizer, tmp)
+    except Exception as e:  # noqa: BLE001 - DCP raises its CheckpointException (wrapping each rank's OSError) on all
+        if run.dist.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RunStopped(f"could not write the checkpoint of step {step}: {first[:300]}; {kept_checkpoint(run)}") from None
+    return tmp
 
 
 def kept_checkpoint(run: Run) -> str:
