@@ -107,3 +107,19 @@ def stop_after(n: int, eos: int, spread: int = 0):
             return out
 
     return Stopping
+
+
+def plain_greedy(model_dir: Path, n: int = 4, max_new_tokens: int = 6) -> list[str]:
+    """Greedy completions of toy_task's first n eval prompts by a model directory loaded with plain transformers."""
+    from toy_task import CharTask
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    got = []
+    for ex in CharTask().eval_examples(n):
+        text = tok.apply_chat_template(ex.messages, tokenize=False, add_generation_prompt=True)
+        ids = tok(text, return_tensors="pt", add_special_tokens=False)
+        out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+        got.append(tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
+    return got
