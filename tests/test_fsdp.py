@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from helpers import cli, read_jsonl, tiny_args
+from helpers import cli, read_jsonl, run_cli, tiny_args
 
 pytestmark = pytest.mark.slow
 
@@ -99,4 +99,11 @@ def test_a_sigkilled_sharded_run_resumes_exactly_and_on_one_process(tmp_path, ti
     p = cli("export", str(killed / step4), "--out", str(tmp_path / "model"), "--trust_task_code")
     assert "greedy check: 3/3" in p.stderr or "greedy check: 4/4" in p.stderr, p.stderr
     assert max_diff(killed / step4, tmp_path / "model", "model.safetensors") == 0
+    # shards taken out of their run directory cannot name their base: one line, not a transformers traceback
+    import shutil
+
+    shutil.copytree(killed / step4, tmp_path / "loose")
+    p = run_cli("eval", "--adapter", str(tmp_path / "loose"))
+    assert p.returncode != 0 and "DCP shards of full weights, outside their run directory" in p.stderr
+    assert "Traceback" not in p.stderr
     assert max_diff(killed / step4, killed / "checkpoints/step_000005", "model.safetensors") > 1e-5  # it trained

@@ -210,8 +210,11 @@ def adapter_base(adapter: Path, overrides: dict[str, Any]) -> tuple[Path | None,
     run_config = adapter.resolve().parent.parent / "config.yaml"
     if run_config.is_file():
         return run_config, overrides
-    from llmrl.checkpoint import is_full_checkpoint
+    from llmrl.checkpoint import is_full_checkpoint, is_sharded_checkpoint
 
+    if is_sharded_checkpoint(adapter):
+        raise ConfigError(f"--adapter {adapter}: DCP shards of full weights, outside their run directory: give --model "
+                          "(the base it trained) with --finetune full, or `llmrl export` the run first")
     if is_full_checkpoint(adapter):  # full weights: the checkpoint is a Hugging Face model directory itself
         return None, {"model": str(adapter), "finetune": "full", **overrides}
     try:
