@@ -73,9 +73,10 @@ def test_full_weight_checkpoint_moves_every_tensor_and_refuses_the_other_kind(tm
     assert "Traceback" not in bad.stderr
 
 
-def test_full_weights_with_a_vllm_engine_are_one_line(tmp_path, tiny_model_dir):
-    p = run_cli(*full_args(tiny_model_dir, tmp_path / "r", rollout_engine="vllm"))
-    assert p.returncode != 0 and "full weights reach only the hf rollout engine" in p.stderr
+def test_full_weights_with_a_vllm_server_are_one_line_naming_the_way_out(tmp_path, tiny_model_dir):
+    p = run_cli(*full_args(tiny_model_dir, tmp_path / "r", rollout_engine="vllm-server"))
+    assert p.returncode != 0 and "full weights do not reach a vLLM server" in p.stderr
+    assert "use --rollout_engine vllm (in process, the weights reloaded each step) or hf" in p.stderr
     assert "Traceback" not in p.stderr and not (tmp_path / "r").exists()
     p = run_cli(*full_args(tiny_model_dir, tmp_path / "r", finetune="partial"))
     assert p.returncode != 0 and "finetune='partial': must be lora or full" in p.stderr
@@ -124,7 +125,9 @@ def test_memory_plan_counts_by_hand():
     """plan_memory and activation_bytes against hand-worked bytes for a made-up shape (sizes not powers of two)."""
     from llmrl.memory_plan import Shape, activation_bytes, plan_memory
 
-    s = Shape(params=1_000_003, lora_params=7_001, layers=3, hidden=96, kv_dim=32, intermediate=260, vocab=1_001)
+    # 3 blocks of 250_001 parameters, so 250_000 outside them (the root's own: embeddings, final norm)
+    s = Shape(params=1_000_003, lora_params=7_001, block_params=250_001, layers=3, hidden=96, kv_dim=32,
+              intermediate=260, vocab=1_001)
     common = dict(kl=True, tokens=50, logit_tokens=20, checkpointing=False, act_bytes=4, runtime=11)
     full = plan_memory(s, full=True, world=1, fsdp=False, base_bytes=2, **common)
     assert (full.parameters, full.gradients, full.optimizer, full.reference) == (4_000_012, 4_000_012, 8_000_024, 4_000_012)
@@ -133,15 +136,41 @@ def test_memory_plan_counts_by_hand():
     assert full.peak == 20_000_060 + full.activations + 11
     sharded = plan_memory(s, full=True, world=3, fsdp=True, base_bytes=2, **common)
     assert (sharded.parameters, sharded.optimizer, sharded.reference) == (4_000_012 // 3, 8_000_024 // 3, 4_000_012 // 3)
-    assert sharded.gathered == 8_000_024 - 8_000_024 // 3  # generation holds the whole policy and reference
-    assert sharded.checkpoint == 0 and sharded.peak == (  # full weights: each rank writes its own shards
-        4_000_012 // 3 * 3 + 8_000_024 // 3 + max(sharded.activations, sharded.gathered) + 11)
+    # generation holds whole copies of the policy and the reference beside the rank's shards
+    assert sharded.gathered == 8_000_024
+    # the update: the root's 250_000 and two blocks' 2 × 250_001 parameters unsharded, fp32, with fp32 gradients
+    assert sharded.update_gather == 750_002 * 8 == 6_000_016
+    # state 3 × 1_333_337 + 2_666_674 = 6_666_685; update 6_666_685 + 1_325_040 + 6_000_016 = 13_991_741 beats
+    # generation (no gradients: 6_666_685 - 1_333_337 + 8_000_024 = 13_333_372)
+    assert sharded.activations == 1_325_040
+    assert sharded.checkpoint == 0 and sharded.peak == 13_991_741 + 11  # full weights: each rank writes its own shards
     lora_sharded = plan_memory(s, full=False, world=2, fsdp=True, base_bytes=2, **common)
     assert lora_sharded.checkpoint == 7_001 * 12  # the adapter and its AdamW moments, gathered to rank 0
+    assert lora_sharded.update_gather == 750_002 * 2  # bf16 frozen base: the parameters only, no gradients
     lora = plan_memory(s, full=False, world=2, fsdp=False, base_bytes=2, **common)
     assert (lora.parameters, lora.gradients, lora.optimizer, lora.reference) == (2_000_006 + 28_004, 28_004, 56_008, 0)
     # checkpointing keeps each block's input (96 per token) and one block's tensors
     assert activation_bytes(s, 50, 20, True, 2) == (3 * 96 + 1808) * 50 * 2 + 3 * 20 * 1001 * 4
+
+    # LoRA's CPU speed paths: 900_001 frozen linear weights packed (W and W.T), 600_007 of them adapted and merged
+    # while sampling; 6 adapted linears per block reading 5 × 96 + 260 = 740 inputs per token, r 4, dropout on
+    import dataclasses
+
+    s2 = dataclasses.replace(s, linear_params=900_001, target_params=600_007, target_inputs=740, targets_per_block=6)
+    packed = plan_memory(s2, full=False, world=1, fsdp=False, base_bytes=4, packs="fp32", merge=True, lora=(4, True),
+                         **common)
+    assert packed.packs == 900_001 * 8 and packed.merged == 600_007 * (4 + 4)  # the merged copy and its pack
+    # per token and block: 1808 × 4 bytes, + the A products 4 × 6 × 4, + dropped-out inputs and masks 740 × (4 + 1)
+    assert packed.activations == 3 * (7_232 + 96 + 3_700) * 50 + 240_240 == 1_894_440
+    # state 4_028_016 + 28_004 + 56_008 + 7_200_008 = 11_312_036; generation (merged, no gradients)
+    # 11_312_036 - 28_004 + 4_800_056 = 16_084_088 beats the update's 11_312_036 + 1_894_440
+    assert packed.peak == 16_084_088 + 11
+    bf16 = plan_memory(s2, full=False, world=1, fsdp=False, base_bytes=4, packs="bf16", merge=False, lora=(4, False),
+                       **common)
+    assert (bf16.packs, bf16.merged) == (900_001 * 4, 0)
+    assert bf16.activations == 3 * (7_232 + 96) * 50 + 240_240  # no dropout: the input itself, counted already
+    assert plan_memory(s2, full=True, world=1, fsdp=False, base_bytes=4, lora=(4, True), **common).activations == \
+        full.activations  # full weights: no adapter
 
 
 def test_dry_run_counts_the_models_parameters(tmp_path, tiny_model_dir):
@@ -154,3 +183,23 @@ def test_dry_run_counts_the_models_parameters(tmp_path, tiny_model_dir):
     line = next(x for x in p.stdout.splitlines() if x.strip().startswith("parameters"))
     assert float(line.split()[1]) == pytest.approx(n * 4 / 2 / 2**30, abs=6e-4)  # printed to 1e-3 GiB
     assert "reference copy                  0.000 GiB" in p.stdout  # kl_coef 0: no reference
+
+
+def test_model_shape_counts_the_linears_a_run_packs_and_merges(tiny_model_dir):
+    """model_shape (a meta-device model) against the loaded tiny model: its linear weights (the tied LM head once),
+    the LoRA targets' weights, and one block's target inputs and parameters."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmrl.memory_plan import model_shape
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    targets = ["q_proj", "v_proj", "down_proj"]
+    s = model_shape(AutoConfig.from_pretrained(tiny_model_dir), targets, 3)
+    linears = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    assert s.linear_params == sum(linears.values())
+    adapted = [m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in targets]
+    assert s.target_params == sum(m.weight.numel() for m in adapted)
+    assert s.lora_params == sum(3 * (m.in_features + m.out_features) for m in adapted)
+    block = model.model.layers[0]
+    assert (s.targets_per_block, s.block_params) == (3, sum(p.numel() for p in block.parameters()))
+    assert s.target_inputs == 2 * block.self_attn.q_proj.in_features + block.mlp.down_proj.in_features

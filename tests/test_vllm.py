@@ -50,8 +50,10 @@ def perturb_lora(model, seed: int) -> None:
             p.data.copy_(torch.randn(p.shape, generator=g) * 0.5)
 
 
-def test_greedy_equals_the_hf_policy_after_sync_and_a_stale_engine_is_caught(vllm_model_dir):
-    cfg = vllm_config(vllm_model_dir, max_new_tokens=8, max_prompt_tokens=64, batch_size=3, group_size=3, minibatch_size=3)
+def engine_probes(cfg):
+    """(policy, vLLM engine, HF engine, messages, both, logprob_gap) for a vllm config of the tiny model: both() gives
+    the engine's and the HF policy's greedy replies to 7 toy prompts, logprob_gap() the largest |engine - trainer|
+    log-prob over 9 sampled completions."""
     plan = resolve(cfg)
     model, tok, _ = build_policy(cfg, plan)
     engine = make_engine(cfg, plan, tok)
@@ -71,6 +73,13 @@ def test_greedy_equals_the_hf_policy_after_sync_and_a_stale_engine_is_caught(vll
         engine_logp = r.engine_logp.clone()
         r = add_logprobs(model, r, chunk=9, group_size=3, shared_prefix=True, with_ref=False)
         return ((r.logp_old - engine_logp).abs() * r.completion_mask).max().item()
+
+    return model, engine, hf, messages, both, logprob_gap
+
+
+def test_greedy_equals_the_hf_policy_after_sync_and_a_stale_engine_is_caught(vllm_model_dir):
+    cfg = vllm_config(vllm_model_dir, max_new_tokens=8, max_prompt_tokens=64, batch_size=3, group_size=3, minibatch_size=3)
+    model, engine, hf, messages, both, logprob_gap = engine_probes(cfg)
 
     perturb_lora(model, 1)
     engine.load(model, 1)
@@ -93,6 +102,67 @@ def test_greedy_equals_the_hf_policy_after_sync_and_a_stale_engine_is_caught(vll
     assert v3 == h3 == h2
     assert logprob_gap() < 1e-3
     engine.close()
+
+
+def perturb_full(model, seed: int) -> None:
+    """Every weight moved by N(0, 0.05²) (the tied LM head with the embedding): a full-weight update that changes
+    what the policy writes, and that no single tensor left behind would hide."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def test_full_weights_reload_into_vllm_greedy_equals_the_trainer_and_a_stale_engine_is_caught(vllm_model_dir):
+    cfg = vllm_config(vllm_model_dir, finetune="full", kl_coef=0.05, max_new_tokens=8, max_prompt_tokens=64,
+                      batch_size=3, group_size=3, minibatch_size=3)
+    model, engine, hf, messages, both, logprob_gap = engine_probes(cfg)
+    assert engine.full and engine.request is None  # no adapter: vLLM runs the weights themselves
+    engine.load(model, 0)
+    v0, h0 = both()
+    assert v0 == h0
+    perturb_full(model, 1)
+    engine.load(model, 1)
+    v1, h1 = both()
+    assert h1 != h0, "the perturbation must change the policy's greedy completions"
+    assert v1 == h1
+    fresh = logprob_gap()
+    assert fresh < 1e-3  # fp32 on CPU, as the LoRA engine's test above
+
+    perturb_full(model, 2)  # the policy changes; the engine is not told
+    v2, h2 = both()
+    assert h2 != h1 and v2 == v1  # a stale engine keeps its own copy of version 1
+    assert logprob_gap() > max(0.05, 10 * fresh)
+    engine.load(model, 1)  # the version it holds: nothing is copied
+    assert both()[0] == v1
+    engine.load(model, 2)
+    v3, h3 = both()
+    assert v3 == h3 == h2
+    assert logprob_gap() < 1e-3
+    # the reference (the base as loaded) is untouched by the reloads: with it swapped in, the policy is the base again
+    from llmrl.models.full import reference_policy
+
+    with reference_policy(model):
+        assert greedy_replies(hf, messages, 8) == h0
+    engine.close()
+
+
+def test_a_full_weight_run_on_vllm_syncs_every_step_and_resumes_exactly(tmp_path, vllm_model_dir):
+    """lr 1e-3 moves every weight by ~1e-3 per step: an engine left on an older version shows as an
+    engine_logprob_diff far above the synced one's (< 1e-3, fp32)."""
+    ref, out = tmp_path / "reference", tmp_path / "run"
+    args = dict(finetune="full", lr="1e-3", eval_n=3, eval_interval=2, save_interval=1, kl_coef=0.05)
+    cli(*vargs(vllm_model_dir, ref, steps=3, **args))
+    records = train_records(ref)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(0 <= r["rollout/engine_logprob_diff"] < 1e-3 for r in records)
+    assert (ref / "checkpoints/step_000003/model.safetensors").is_file()
+    p = run_cli(*vargs(vllm_model_dir, out, steps=3, **args), fault="kill_in_rollout@3")
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    cli("train", "--resume", str(out), "--trust_task_code")
+    a = load_file(ref / "checkpoints/step_000003/model.safetensors")
+    b = load_file(out / "checkpoints/step_000003/model.safetensors")
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) == 0
 
 
 @pytest.fixture(scope="module")

@@ -122,7 +122,7 @@ class TrainConfig:
     overlong_penalty: float = doc(1.0, "largest soft overlong penalty (reached at max_new_tokens)")
     overlong_filter: bool = doc(False, "mask completions cut at max_new_tokens out of the loss (DAPO overlong filtering)")
     # LoRA and model
-    finetune: str = doc("lora", "what trains: lora (an adapter on the frozen base) or full (every weight of the policy, fp32 master weights and AdamW state; the KL reference is a frozen copy of the base, made only when kl_coef > 0; rollout_engine hf only)")
+    finetune: str = doc("lora", "what trains: lora (an adapter on the frozen base) or full (every weight of the policy, fp32 master weights and AdamW state; the KL reference is a frozen copy of the base, made only when kl_coef > 0; rollout_engine hf or vllm, whose weights are reloaded in place each step)")
     shard: str = doc("ddp", "with several processes: ddp (every rank holds the whole model, gradients all-reduced) or fsdp (FSDP2 fully_shard: each rank holds 1/N of every weight, gradient and AdamW state; for LoRA the frozen base is sharded too; rollout_engine hf, generation on the gathered model)")
     lora_r: int = doc(16, "LoRA rank")
     lora_alpha: int = doc(32, "LoRA alpha")
@@ -150,7 +150,7 @@ class TrainConfig:
     fuse_lora: bool = doc(True, "LoRA's B product, scaling and sum with the base output in one addmm (no [tokens, out] temporaries; same arithmetic)")
     hash_dropout: bool = doc(True, "CPU: LoRA dropout masks from a vectorised keyed hash (keep probability exact to 2^-16, four decisions per 64-bit hash; PyTorch's CPU dropout draws each element serially)")
     onednn_linear: bool | None = doc(None, "CPU: frozen fp32 linears (base weights, LM head) through oneDNN with pre-packed weights (holds packed copies of the frozen weights); default: where a start-up measurement (~0.1 s) finds them at least 5 percent faster than F.linear on this CPU (2x on an AMD EPYC, no faster on an Intel Xeon with AMX)")
-    keep_heap_memory: bool = doc(True, "CPU: glibc malloc keeps freed memory for reuse (no page faults for each step's activations; the process holds its peak memory)")
+    keep_heap_memory: bool = doc(True, "CPU: glibc malloc keeps freed memory for reuse (no page faults for each step's activations; the process holds its peak memory); not with shard fsdp, whose ranks give freed blocks back (a fixed 256 KiB mmap threshold), so a rank holds its live tensors, not every gather buffer it ever freed")
     shared_prefix: bool = doc(True, "run each prompt once for its group in the reference and training forwards (not with gradient_checkpointing)")
     # evaluation, logging, checkpoints
     eval_interval: int = doc(100, "evaluate every this many steps, and at the end (0 = only at the end)")
@@ -449,9 +449,9 @@ def validate(cfg: TrainConfig) -> None:
     rule(0 <= cfg.lora_dropout < 1, "lora_dropout", "must be in [0, 1)")
     rule(bool(cfg.lora_target_modules), "lora_target_modules", "must name at least one module")
     rule(cfg.finetune in ("lora", "full"), "finetune", "must be lora or full")
-    rule(cfg.finetune == "lora" or cfg.rollout_engine == "hf", "finetune",
-         f"full weights reach only the hf rollout engine so far (rollout_engine={cfg.rollout_engine!r} is synced through "
-         "a LoRA adapter): use --rollout_engine hf, or --finetune lora")
+    rule(cfg.finetune == "lora" or cfg.rollout_engine != "vllm-server", "finetune",
+         "full weights do not reach a vLLM server (its weight-transfer engines are CUDA NCCL/IPC, which llmrl does "
+         "not drive): use --rollout_engine vllm (in process, the weights reloaded each step) or hf, or --finetune lora")
     rule(cfg.shard in ("ddp", "fsdp"), "shard", "must be ddp or fsdp")
     rule(cfg.shard == "ddp" or (cfg.rollout_engine == "hf" and cfg.max_staleness == 0), "shard",
          "fsdp runs with rollout_engine hf and max_staleness 0 so far (the sharded policy generates in step with the "
@@ -669,6 +669,7 @@ class Plan:
     full: bool = False  # finetune full: every weight trains (fp32 master weights), the reference is a frozen copy
     autocast: Any = None  # finetune full: the dtype forwards run in under torch.autocast (bf16), or None (fp32 products)
     world_size: int = 1  # processes training together (torchrun's WORLD_SIZE)
+    return_heap_memory: bool = False  # CPU with shard fsdp: glibc returns freed big blocks at once (cpu_speed.py)
 
 
 def launched_world_size() -> int:
@@ -721,7 +722,8 @@ def resolve(cfg: TrainConfig) -> Plan:
         hash_dropout=cfg.fast and cfg.hash_dropout and cpu and not full,
         onednn_linear=bool(cfg.fast and cfg.onednn_linear is not False and cpu and not full and not fsdp),  # packs weights
         measure_kernels=cfg.onednn_linear is None,
-        keep_heap_memory=cfg.fast and cfg.keep_heap_memory and cpu, gradient_checkpointing=cfg.gradient_checkpointing,
+        keep_heap_memory=cfg.fast and cfg.keep_heap_memory and cpu and not fsdp,
+        return_heap_memory=cpu and fsdp, gradient_checkpointing=cfg.gradient_checkpointing,
         full=full, autocast=autocast, fsdp=fsdp,
         world_size=launched_world_size(),
     )

@@ -262,10 +262,15 @@ def packing_pays_for(model: nn.Module) -> tuple[bool, str]:
     for m in packable_linears(model):
         weight[tuple(m.weight.shape)] += m.weight.numel()
     shape = weight.most_common(1)[0][0]
-    v = _cached_verdict(f"{shape[0]}x{shape[1]}", lambda: packing_pays(*shape))
+    v = packing_verdict(shape)
     measured = ", ".join(f"{k} {r:.0f}" for k, r in v["gflops"].items()) or "no oneDNN"
     return v["pays"], (f"frozen linears: {'oneDNN packed' if v['pays'] else 'F.linear'} (measured on {shape}: "
                        f"{measured} GFLOP/s; {_verdicts_path()})")
+
+
+def packing_verdict(shape: tuple[int, int]) -> dict:
+    """{"pays", "gflops"}: whether oneDNN packing pays on an [out, in] weight here (measured once per machine)."""
+    return _cached_verdict(f"{shape[0]}x{shape[1]}", lambda: packing_pays(*shape))
 
 
 def _cached_verdict(what: str, measure) -> dict:

@@ -36,7 +36,8 @@ def _vllm_engine(tokenizer, sampling: Sampling, cfg, plan, limits):
     return VLLMEngine(tokenizer, sampling, model_path=resolve_model_path(cfg.model), device=plan.device, dtype=plan.dtype,
                       lora_r=cfg.lora_r, seed=cfg.seed, max_len=context_tokens(cfg, limits), memory=cfg.vllm_memory,
                       sleep=cfg.vllm_sleep, max_sequences=rank_sequences(cfg, plan), world_size=plan.world_size,
-                      scratch=cfg.output_dir, prefix_caching=cfg.vllm_prefix_caching)
+                      scratch=cfg.output_dir, prefix_caching=cfg.vllm_prefix_caching,
+                      full=cfg.finetune == "full")
 
 
 def _vllm_server_engine(tokenizer, sampling: Sampling, cfg, plan, limits):

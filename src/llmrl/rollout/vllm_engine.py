@@ -3,7 +3,9 @@ under torchrun one engine per rank (vLLM's external launcher: tensor parallel 1 
 
     load(model, v)     a new policy version v: the policy's LoRA weights are written to a fresh adapter
                        directory and the next requests carry a LoRARequest named policy-v{v} with a new
-                       id (the previous adapter is dropped); the version already loaded: nothing to do
+                       id (the previous adapter is dropped); with full weights (finetune full) every
+                       weight is copied into vLLM's own model in place, through vLLM's `reload_weights`
+                       (its loader, then its CPU/GPU kernel repacking); the version already loaded: nothing to do
     continue_ids(...)  one request per context of token ids (a turn of a rollout or eval: rollout/episodes.py),
                        each with its own seed mix(seed, global prompt, g[, turn]): a completion does not
                        depend on which other requests share the batch
@@ -17,6 +19,12 @@ greedy completions identical to the HF policy's. Its price is the LoRA matmuls w
 (7.9 s vs 3.2 s for the base model on that CPU). The old log-probs are recomputed by the trainer
 unless `old_logprobs: engine`; the engine's own (raw, temperature-1) log-probs of the sampled tokens
 always come back in `Rollout.engine_logp`, for `rollout/engine_logprob_diff` and the mismatch correction.
+
+Full weights go another way, because there is no adapter: vLLM's worker method `reload_weights(weights_iterator)`
+(reached in process through `LLM.collective_rpc`) restores each layer to its checkpoint format, runs the model's
+own `load_weights` on the trainer's tensors (names as in the Hugging Face state dict; tied weights once), and re-runs
+`process_weights_after_loading`, which on CPU packs the oneDNN handles again. The engine then samples the base
+model's kernels (no LoRA matmuls), and the copy it holds is a snapshot of the version loaded.
 """
 
 from __future__ import annotations
@@ -76,13 +84,21 @@ class VLLMEngine:
 
     def __init__(self, tokenizer, sampling: Sampling, *, model_path: str, device: torch.device, dtype: torch.dtype,
                  lora_r: int, seed: int, max_len: int, memory: float, sleep: bool, max_sequences: int,
-                 world_size: int = 1, scratch: str | Path | None = None, prefix_caching: bool = True):
+                 world_size: int = 1, scratch: str | Path | None = None, prefix_caching: bool = True,
+                 full: bool = False):
         LLM, self._params, self._lora, self._prompt = import_vllm()
         self.tokenizer, self.sampling = tokenizer, sampling
         self.eos: list[int] = []  # the policy's EOS ids, known at the first sync
-        rank = next((r for r in LORA_RANKS if r >= lora_r), None)
-        if rank is None:
-            raise ConfigError(f"rollout_engine=vllm: lora_r={lora_r} is above vLLM's largest LoRA rank {LORA_RANKS[-1]}")
+        self.full = full
+        if full:
+            check_reload_weights()
+            quiet_rotary_reload()
+            lora = {}
+        else:
+            rank = next((r for r in LORA_RANKS if r >= lora_r), None)
+            if rank is None:
+                raise ConfigError(f"rollout_engine=vllm: lora_r={lora_r} is above vLLM's largest LoRA rank {LORA_RANKS[-1]}")
+            lora = {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1}
         cpu = device.type == "cpu"
         if cpu:  # a KV cache for the run's own batch (vLLM's CPU default takes a share of all RAM)
             # and room to prefill the whole batch in one step: a prefill split across steps (chunked,
@@ -104,11 +120,11 @@ class VLLMEngine:
         with kept_rng_state(), temp_dir(self._dir):
             self.llm = LLM(
                 model=model_path, tokenizer=model_path, dtype=str(dtype).removeprefix("torch."), seed=seed,
-                enable_lora=True, max_lora_rank=rank, max_loras=1, logprobs_mode="raw_logprobs", max_model_len=max_len,
-                enable_prefix_caching=prefix_caching, enforce_eager=cpu, **kwargs,
+                logprobs_mode="raw_logprobs", max_model_len=max_len, enable_prefix_caching=prefix_caching,
+                enforce_eager=cpu, **lora, **kwargs,
             )
         self.lora_id = 0  # LoRA id of the adapter now loaded (0: none yet)
-        self.version = -1  # the policy version it holds
+        self.version: int | None = None  # the policy version it holds (None: none synced yet)
         self.request = None
         self.salt = ""  # every prompt's cache salt: the adapter's name and id (cached blocks never cross versions)
 
@@ -121,7 +137,12 @@ class VLLMEngine:
             torch.cuda.empty_cache()  # the trainer's cached blocks back to the driver, for vLLM's weights and KV cache
             self.llm.wake_up()
         self.eos = self.eos or eos_ids(model, self.tokenizer)
-        if self.request is not None and version == self.version:
+        if version == self.version:
+            return
+        if self.full:
+            self._reload(model)
+            self.salt = f"policy-v{version}-full"
+            self.version = version
             return
         old = self.lora_id
         self.lora_id += 1
@@ -133,6 +154,14 @@ class VLLMEngine:
         if old:
             self.llm.llm_engine.remove_lora(old)
             shutil.rmtree(self._dir / f"v{old}", ignore_errors=True)
+
+    def _reload(self, model) -> None:
+        """Copy every weight of the full-weight policy `model` into vLLM's model (vLLM's reload_weights: its own
+        loader and kernel repacking). The list holds the trainer's tensors, not copies; vLLM copies them in."""
+        weights = [(name, t.detach()) for name, t in model.state_dict().items()]
+        with kept_rng_state():
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()  # blocks of the old weights (salted per version: never served again anyway)
 
     def release(self) -> None:
         """Free the engine's accelerator memory for the update (CUDA sleep mode; nothing on CPU)."""
@@ -180,6 +209,31 @@ class VLLMEngine:
             logp = [step[t].logprob for step, t in zip(o.logprobs, ids)] if logprobs else None
             replies.append(Reply(ids, end is not None, logp))
         return replies
+
+def check_reload_weights() -> None:
+    """One ConfigError line unless this vLLM can reload full weights in place (its workers' `reload_weights`)."""
+    import vllm
+    from vllm.v1.worker.gpu_worker import Worker
+
+    if not hasattr(Worker, "reload_weights"):
+        raise ConfigError(f"rollout_engine=vllm with finetune full: vLLM {vllm.__version__} cannot reload weights in "
+                          "place (its workers have no reload_weights): upgrade vLLM, or use --rollout_engine hf, "
+                          "or --finetune lora")
+
+
+def _not_rotary_reload(record) -> bool:
+    return not (record.getMessage().endswith(": Failed to load weights") and "Rotary" in str(record.args[:1]))
+
+
+def quiet_rotary_reload() -> None:
+    """Drop vLLM's per-reload warning "RotaryEmbedding: Failed to load weights": a rotary layer's cos/sin cache is
+    computed, never in a checkpoint, and vLLM puts it back itself. The same warning for any other layer stays."""
+    import logging
+
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if _not_rotary_reload not in logger.filters:
+        logger.addFilter(_not_rotary_reload)
+
 
 def kv_cache_bytes(model_path: str, sequences: int, max_len: int, dtype: torch.dtype) -> int:
     """Bytes of KV cache for `sequences` sequences of `max_len` tokens of the model at `model_path`

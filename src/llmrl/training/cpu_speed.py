@@ -31,6 +31,21 @@ def keep_heap_memory() -> bool:
         return False
 
 
+def return_heap_memory() -> bool:
+    """Ask glibc malloc to serve every block of 256 KiB or more by its own mmap, given back to the system when freed
+    (a fixed threshold: glibc's default raises it after each such free, up to 32 MiB, and then keeps freed blocks
+    in its heap). Under FSDP2 every step all-gathers whole blocks and frees them again; kept, they would make each
+    rank's resident memory the sum of every buffer it ever held, not its live tensors (measured: 4.2 GiB against
+    2.5 GiB on the embedded model, 2 ranks, full weights). Returns False where there is no glibc."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, 256 << 10))
+    except (OSError, AttributeError):
+        return False
+
+
 _COUNTER = torch.arange(0, dtype=torch.int64)
 M64 = 2**64
 

@@ -96,17 +96,14 @@ def total_norm(norm) -> float:
 
 
 def full_state(model, optimizer) -> tuple[dict, dict] | None:
-    """(model state, optimizer state), whole tensors on the CPU of rank 0 (None on the others), keyed by parameter
-    name: what an unsharded run's checkpoint holds (LoRA: the adapter's tensors only). Every rank must call it."""
+    """A sharded LoRA policy's (adapter state, optimizer state): whole tensors on the CPU of rank 0 (None on the
+    others), keyed by parameter name, what an unsharded run's checkpoint holds (the frozen base left out). Every rank
+    must call it. (Full weights are not gathered: every rank writes its own shards, `save_sharded`.)"""
     import torch.distributed as tdist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    full = not hasattr(model, "disable_adapter")
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=not full)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
-    kept = dict(model.named_parameters())  # a tied weight (the LM head) once, under its first name, as save_pretrained
-    tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - set(kept)
-    model_state = {k: v for k, v in model_state.items() if k not in tied}
     return (model_state, optimizer_state) if tdist.get_rank() == 0 else None
 
 

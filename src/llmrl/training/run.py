@@ -51,11 +51,10 @@ from llmrl.run_files import CONFIG, DATA_REPORT, LOCK, REPORT, RUN_FILES, write_
 from llmrl.tasks import Task, is_environment, resume_command, task_from_config
 from llmrl.tasks.env import OneTurn
 from llmrl.training import hooks
-from llmrl.training.cpu_speed import keep_heap_memory, use_hash_dropout
+from llmrl.training.cpu_speed import keep_heap_memory, return_heap_memory, use_hash_dropout
 from llmrl.training.distributed import Dist, init_distributed
 from llmrl.training.evaluate import evaluate
-from llmrl.training.fsdp import full_state, gathered
-from llmrl.training.fsdp import save_sharded as save_shards_to
+from llmrl.training.fsdp import full_state, gathered, save_sharded
 from llmrl.training.health import Health
 from llmrl.training.rollouts import RolloutSource
 from llmrl.training.update import UpdateSettings
@@ -282,6 +281,8 @@ def build_run(cfg: TrainConfig, dist: Dist, lock: RunLock | None, resume: bool, 
         torch.set_num_threads(cfg.num_threads)
     if plan.keep_heap_memory:
         keep_heap_memory()
+    elif plan.return_heap_memory:
+        return_heap_memory()
     run_dir = Path(cfg.output_dir)
     if lock is not None and run_dir.is_dir():
         lock.take()  # another trainer may be writing there: stop before reading or changing anything
@@ -379,7 +380,7 @@ def save(run: Run, step: int) -> Path | None:
     """Checkpoint the run after `step` (rank 0 writes; every rank's dropout RNG goes with it), then config.yaml.
     Any failed write (a full disk, an I/O error) stops the run in one line naming the checkpoint it kept."""
     rank_rng = run.dist.gather(rank_rng_state())
-    sharded = save_shards(run, step) if run.plan.fsdp and run.plan.full else None  # every rank writes its shards
+    sharded = write_rank_shards(run, step) if run.plan.fsdp and run.plan.full else None  # every rank writes its shards
     whole = full_state(run.model, run.optimizer) if run.plan.fsdp and not run.plan.full else None  # LoRA: gathered
     if not run.dist.is_main:
         return None
@@ -408,14 +409,14 @@ def save(run: Run, step: int) -> Path | None:
     return path
 
 
-def save_shards(run: Run, step: int) -> Path:
+def write_rank_shards(run: Run, step: int) -> Path:
     """FSDP2 full weights: every rank writes its shards of the weights and AdamW state (DCP) into one new temporary
     checkpoint directory (made by rank 0), which save_checkpoint completes; a failed write stops every rank in one
     line, the temporary directory removed and the previous checkpoint intact."""
     made = checkpoint_tmp(run.dir, step) if run.dist.is_main else None
     tmp = Path(run.dist.gather(str(made) if made else "")[0])
     try:
-        save_shards_to(run.model, run.optimizer, tmp)
+        save_sharded(run.model, run.optimizer, tmp)
     except Exception as e:  # noqa: BLE001 - DCP raises its CheckpointException (wrapping each rank's OSError) on all
         if run.dist.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
