@@ -320,13 +320,15 @@ def test_vllm_prefills_a_batch_over_4096_tokens_without_splitting_it(vllm_model_
         assert engine.continue_ids([contexts[i]], [100 + i], engine.sampling, 3)[0].ids == replies[i].ids
 
 
-def test_two_ranks_each_with_its_own_vllm_engine_equal_one(tmp_path, vllm_model_dir):
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_two_ranks_each_with_its_own_vllm_engine_equal_one(tmp_path, vllm_model_dir, finetune):
     """--nproc 2 with the vllm engine: an engine per rank (vLLM's external launcher on the trainer's
     process group), each sampling its own prompt of the 2; every completion is keyed by (seed, step,
-    global prompt, g), so the two ranks draw what one process draws, and the adapters end within 1e-5
-    (the tolerance of the hf two-process test: lr 1e-3, no dropout)."""
+    global prompt, g), so the two ranks draw what one process draws, and the trained weights end within 1e-5
+    (the tolerance of the hf two-process test: lr 1e-3, no dropout). Full weights: each rank's engine reloads
+    the whole model every step."""
     def run_args(out):
-        return vargs(vllm_model_dir, out, steps=3, lora_dropout=0, eval_n=3, lr="1e-3")
+        return vargs(vllm_model_dir, out, steps=3, lora_dropout=0, eval_n=3, lr="1e-3", finetune=finetune)
 
     cli(*run_args(tmp_path / "one"))
     p = cli(*run_args(tmp_path / "two"), "--nproc", "2")
@@ -334,7 +336,8 @@ def test_two_ranks_each_with_its_own_vllm_engine_equal_one(tmp_path, vllm_model_
     one, two = read_jsonl(tmp_path / "one" / "samples.jsonl"), read_jsonl(tmp_path / "two" / "samples.jsonl")
     assert len(one) == 3 * 6
     assert [(r["step"], r["prompt"], r["completion"]) for r in two] == [(r["step"], r["prompt"], r["completion"]) for r in one]
-    a, b = (load_file(tmp_path / run / "checkpoints/step_000003/adapter_model.safetensors") for run in ("one", "two"))
+    weights = "model.safetensors" if finetune == "full" else "adapter_model.safetensors"
+    a, b = (load_file(tmp_path / run / "checkpoints/step_000003" / weights) for run in ("one", "two"))
     assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
     assert [r["step"] for r in read_jsonl(tmp_path / "two" / "metrics.jsonl")] == [0, 1, 1, 2, 2, 3, 3]  # each record once
 
