@@ -144,6 +144,18 @@ def test_full_weights_reload_into_vllm_greedy_equals_the_trainer_and_a_stale_eng
 
     with reference_policy(model):
         assert greedy_replies(hf, messages, 8) == h0
+
+    class Unloadable:  # weights vLLM's model cannot take (one of the wrong shape): a one-line stop, nothing synced
+        def state_dict(self):
+            weights = dict(model.state_dict())
+            weights[next(iter(weights))] = torch.zeros(3, 5)
+            return weights
+
+    from llmrl.errors import EngineDied
+
+    with pytest.raises(EngineDied, match="vLLM could not load the policy's weights .*: use --rollout_engine hf") as e:
+        engine.load(Unloadable(), 3)
+    assert "\n" not in str(e.value) and engine.version == 2
     engine.close()
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from llmrl.errors import ConfigError
+from llmrl.errors import ConfigError, EngineDied
 from llmrl.rng import kept_rng_state
 from llmrl.rollout.base import Reply, Sampling, scratch_dir, write_adapter
 from llmrl.rollout.prompts import eos_ids
@@ -159,8 +159,13 @@ class VLLMEngine:
         """Copy every weight of the full-weight policy `model` into vLLM's model (vLLM's reload_weights: its own
         loader and kernel repacking). The list holds the trainer's tensors, not copies; vLLM copies them in."""
         weights = [(name, t.detach()) for name, t in model.state_dict().items()]
-        with kept_rng_state():
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        try:
+            with kept_rng_state():
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        except Exception as e:  # noqa: BLE001 - a name vLLM's model does not know, a shape it does not take, ...
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise EngineDied(f"vLLM could not load the policy's weights ({type(e).__name__}: {first}): use "
+                             "--rollout_engine hf for this model") from None
         self.llm.reset_prefix_cache()  # blocks of the old weights (salted per version: never served again anyway)
 
     def release(self) -> None:
