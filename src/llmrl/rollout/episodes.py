@@ -150,6 +150,11 @@ def capped_turn(tokenizer, messages: list[dict[str, str]], max_tokens: int, over
     return kept, cut
 
 
+def env_tools(env) -> list[dict] | None:
+    """The tool schemas an environment's template shows (its `tool_schemas`), None for a single-turn task or none."""
+    return None if isinstance(env, OneTurn) else getattr(env, "tool_schemas", None) or None
+
+
 def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size: int, seed: int, first_prompt: int,
                  sampling: Sampling, limits: Limits, eos: list[int], greedy: bool = False,
                  device: torch.device | str = "cpu", steps: ProcessSteps | ThreadSteps | None = None,
@@ -161,7 +166,7 @@ def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size:
     trainer scores them, except hf's sampler log-probs; engine_logp when the engine gave log-probs for
     every reply; `logprobs` False, as eval asks: neither) and the episodes."""
     one_turn = isinstance(env, OneTurn)
-    tools = None if one_turn else getattr(env, "tool_schemas", None) or None  # shown by the template
+    tools = env_tools(env)  # shown by the template
     step_cut = not one_turn and bool(getattr(env, "step_cut_replies", False))  # env.step sees cut replies too
     # the end-of-turn id the template closes a reply with; a reply that ends on another EOS id ends its episode
     turn_end = None if one_turn or limits.max_turns == 1 else end_of_turn(tokenizer, eos or [tokenizer.eos_token_id])
@@ -358,7 +363,7 @@ def episode_runner(cfg, env, tokenizer, eos: list[int], device: torch.device | s
         budget = cfg.episode_tokens or turns * cfg.max_new_tokens
     limits = Limits(max_turns=turns, episode_tokens=budget, reply_tokens=cfg.max_new_tokens,
                     env_tokens=cfg.max_env_tokens, env_timeout=cfg.env_timeout)
-    tools = None if single else getattr(env, "tool_schemas", None) or None
+    tools = env_tools(env)
     if tools and not shows_tools(tokenizer, tools):
         print("llmrl: warning: the chat template does not show tools (rendering with tools= changes nothing): the "
               "model never sees the tools' schemas; use a template with tools (--chat_template chatml-tools for "
