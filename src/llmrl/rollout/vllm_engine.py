@@ -215,11 +215,16 @@ class VLLMEngine:
             replies.append(Reply(ids, end is not None, logp))
         return replies
 
-def check_reload_weights() -> None:
-    """One ConfigError line unless this vLLM can reload full weights in place (its workers' `reload_weights`)."""
-    import vllm
-    from vllm.v1.worker.gpu_worker import Worker
 
+def check_reload_weights() -> None:
+    """One ConfigError line unless this vLLM can reload full weights in place (its workers' `reload_weights`);
+    where the worker class is elsewhere (another vLLM layout) the first load says so instead (EngineDied)."""
+    import vllm
+
+    try:
+        from vllm.v1.worker.gpu_worker import Worker
+    except ImportError:
+        return
     if not hasattr(Worker, "reload_weights"):
         raise ConfigError(f"rollout_engine=vllm with finetune full: vLLM {vllm.__version__} cannot reload weights in "
                           "place (its workers have no reload_weights): upgrade vLLM, or use --rollout_engine hf, "
@@ -227,7 +232,8 @@ def check_reload_weights() -> None:
 
 
 def _not_rotary_reload(record) -> bool:
-    return not (record.getMessage().endswith(": Failed to load weights") and "Rotary" in str(record.args[:1]))
+    layer, _, rest = record.getMessage().partition(": ")
+    return not (rest == "Failed to load weights" and "Rotary" in layer)
 
 
 def quiet_rotary_reload() -> None:
