@@ -145,18 +145,46 @@ def test_full_weights_reload_into_vllm_greedy_equals_the_trainer_and_a_stale_eng
     with reference_policy(model):
         assert greedy_replies(hf, messages, 8) == h0
 
-    class Unloadable:  # weights vLLM's model cannot take (one of the wrong shape): a one-line stop, nothing synced
+    engine.close()
+
+
+def unloadable_load(model_dir: str) -> None:
+    """Run by the test below in a process of its own: a full-weight engine given weights vLLM's model cannot take
+    (one of the wrong shape); prints the error line and the version the engine still holds, as JSON."""
+    from llmrl.errors import EngineDied
+
+    cfg = vllm_config(model_dir, finetune="full", max_new_tokens=8, max_prompt_tokens=64, batch_size=3, group_size=3,
+                      minibatch_size=3)
+    plan = resolve(cfg)
+    model, tok, _ = build_policy(cfg, plan)
+    engine = make_engine(cfg, plan, tok)
+    engine.load(model, 0)
+
+    class Unloadable:
         def state_dict(self):
             weights = dict(model.state_dict())
             weights[next(iter(weights))] = torch.zeros(3, 5)
             return weights
 
-    from llmrl.errors import EngineDied
+    try:
+        engine.load(Unloadable(), 1)
+        print(json.dumps({"error": None, "version": engine.version}))
+    except EngineDied as e:
+        print(json.dumps({"error": str(e), "version": engine.version}))
 
-    with pytest.raises(EngineDied, match="vLLM could not load the policy's weights .*: use --rollout_engine hf") as e:
-        engine.load(Unloadable(), 3)
-    assert "\n" not in str(e.value) and engine.version == 2
-    engine.close()
+
+def test_full_weights_vllm_cannot_take_stop_in_one_line(vllm_model_dir):
+    """One EngineDied line, nothing synced (the engine keeps version 0). In a process of its own: vLLM's failed
+    reload leaves its process-wide rotary cache on the meta device, which would break any later engine in the
+    process; a run stops at the error, so nothing else uses it there."""
+    p = subprocess.run([sys.executable, "-c", f"import test_vllm; test_vllm.unloadable_load({vllm_model_dir!r})"],
+                       cwd=TESTS, capture_output=True, text=True, timeout=600,
+                       env={**__import__("os").environ, "PYTHONPATH": str(TESTS)})
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads([line for line in p.stdout.splitlines() if line.startswith("{")][-1])
+    assert out["version"] == 0 and "\n" not in out["error"]
+    assert out["error"].startswith("vLLM could not load the policy's weights (")
+    assert out["error"].endswith("): use --rollout_engine hf for this model")
 
 
 def test_a_full_weight_run_on_vllm_syncs_every_step_and_resumes_exactly(tmp_path, vllm_model_dir):
