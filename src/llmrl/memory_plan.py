@@ -208,7 +208,7 @@ def planned_packs(plan, shape: Shape, fsdp: bool) -> str:
     import torch
 
     from llmrl.models.packed_linear import (available_memory_bytes, onednn_available, onednn_bf16_available,
-                                            packing_verdict)
+                                            packing_verdict, packs_fit)
 
     if plan.full or fsdp or plan.device.type != "cpu" or not shape.linear_params or plan.dtype != torch.float32:
         return "none"
@@ -218,8 +218,8 @@ def planned_packs(plan, shape: Shape, fsdp: bool) -> str:
         kind = "fp32" if not plan.measure_kernels or packing_verdict(shape.linear_shape)["pays"] else "none"
     else:
         return "none"
-    free = available_memory_bytes()
-    return kind if free is None or (1 if kind.startswith("bf16") else 2) * shape.linear_params * 4 <= free // 2 else "none"
+    free = available_memory_bytes()  # the run packs only where that takes at most half the free memory
+    return kind if packs_fit(shape.linear_params * 4, kind.startswith("bf16"), None if free is None else free // 2) else "none"
 
 
 def dry_run(cfg, world: int) -> list[str]:

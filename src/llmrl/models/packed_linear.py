@@ -164,6 +164,12 @@ def packable_linears(model: nn.Module) -> list[nn.Linear]:
             and (m.bias is None or not m.bias.requires_grad)]
 
 
+def packs_fit(weight_bytes: int, bf16: bool, budget: int | None) -> bool:
+    """Whether packs of `weight_bytes` of fp32 frozen weights fit in `budget` bytes (None: no limit): W and W.T,
+    twice the weights in fp32, once in bf16."""
+    return budget is None or (1 if bf16 else 2) * weight_bytes <= budget
+
+
 def install_packed_linears(model: nn.Module, memory_budget: int | None = None, bf16: bool = False) -> int:
     """Route every frozen fp32 CPU nn.Linear of `model` (LoRA base layers, the LM head) through
     oneDNN packed weights, or with `bf16` through packed bf16 copies of them (bf16 products, fp32
@@ -175,7 +181,7 @@ def install_packed_linears(model: nn.Module, memory_budget: int | None = None, b
         return 0
     layers = packable_linears(model)
     unique = {m.weight.data_ptr(): m.weight.numel() * m.weight.element_size() for m in layers}
-    if memory_budget is not None and (1 if bf16 else 2) * sum(unique.values()) > memory_budget:
+    if not packs_fit(sum(unique.values()), bf16, memory_budget):
         return 0
     for m in layers:
         m._llmrl_packs = PackCache(m.weight, bf16)

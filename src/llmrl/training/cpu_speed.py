@@ -17,18 +17,23 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 INT_MAX = 2**31 - 1
 
 
+def _mallopt(*settings: tuple[int, int]) -> bool:
+    """glibc's mallopt(param, value) for each pair; False where there is no glibc (macOS, musl) or it refuses one."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return all(bool(libc.mallopt(param, value)) for param, value in settings)
+    except (OSError, AttributeError):
+        return False
+
+
 def keep_heap_memory() -> bool:
     """Ask glibc malloc to serve big blocks from the heap and to keep freed memory (mallopt), so
     activations that are freed and reallocated every step reuse pages instead of faulting in
     fresh zeroed ones. The process keeps its peak memory until it exits. Returns False where
     there is no glibc (macOS, musl): nothing changes there."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, 2**30)) and bool(libc.mallopt(M_TRIM_THRESHOLD, INT_MAX))
-    except (OSError, AttributeError):
-        return False
+    return _mallopt((M_MMAP_THRESHOLD, 2**30), (M_TRIM_THRESHOLD, INT_MAX))
 
 
 def return_heap_memory() -> bool:
@@ -37,13 +42,7 @@ def return_heap_memory() -> bool:
     in its heap). Under FSDP2 every step all-gathers whole blocks and frees them again; kept, they would make each
     rank's resident memory the sum of every buffer it ever held, not its live tensors (measured: 4.2 GiB against
     2.5 GiB on the embedded model, 2 ranks, full weights). Returns False where there is no glibc."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, 256 << 10))
-    except (OSError, AttributeError):
-        return False
+    return _mallopt((M_MMAP_THRESHOLD, 256 << 10))
 
 
 _COUNTER = torch.arange(0, dtype=torch.int64)
