@@ -83,21 +83,79 @@ def _write_manifest(directory: Path) -> None:
         fsync_path(p)
 
 
+def required_files(names: set[str]) -> list[str]:
+    """What a checkpoint holding `names` must also hold: its trainer state and RNGs, and its weights with what reads
+    them: DCP shards with config.json (the shards hold the optimizer), or a LoRA adapter or whole model with its
+    config and optimizer.pt. A checkpoint with no weights at all needs the adapter's files."""
+    needed = ["trainer_state.json", "rng.pt"]
+    if ".metadata" in names:
+        return needed + ["config.json"] + ([] if any(SHARD_NAME.fullmatch(n) for n in names) else ["__0_0.distcp"])
+    if "adapter_model.safetensors" not in names and any(MODEL_NAME.fullmatch(n) for n in names):
+        return needed + ["config.json", "optimizer.pt"]
+    return needed + ["adapter_model.safetensors", "adapter_config.json", "optimizer.pt"]
+
+
+SHARD_NAME = re.compile(r"__\d+_\d+\.distcp")
+MODEL_NAME = re.compile(r"model(-\d+-of-\d+)?\.safetensors")
+
+
 def verify_checkpoint(path: Path) -> str | None:
-    """None if every file the manifest lists is there with its size and hash; else what is wrong."""
+    """None if every file the manifest lists is there with its size and hash, the manifest lists every file there,
+    and it lists every file a checkpoint of its kind needs (required_files); else what is wrong."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError):
         return "no readable manifest.json"
+    if not isinstance(manifest, dict) or not all(
+            isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
+            for v in manifest.values()):
+        return "manifest.json is not a map of file names to sizes and hashes"
+    missing = [name for name in required_files(set(manifest)) if name not in manifest]
+    if missing:
+        return f"manifest.json does not list {missing[0]}, which a checkpoint needs"
+    unlisted = sorted(p.name for p in path.iterdir() if p.name != MANIFEST and p.name not in manifest)
+    if unlisted:
+        return f"{unlisted[0]} is not in manifest.json"
     for name, expected in manifest.items():
         f = path / name
-        if not f.is_file():
+        if "/" in name or name in (".", "..") or not f.is_file():
             return f"{name} is missing"
         if f.stat().st_size != expected["size"]:
             return f"{name} has {f.stat().st_size} bytes, expected {expected['size']}"
         if _sha256(f) != expected["sha256"]:
             return f"{name} does not match its hash"
     return None
+
+
+def space_needed(model) -> int:
+    """Bytes a checkpoint of `model` takes, about: its trained weights, tied ones counted under each name (DCP shards
+    store each; save_pretrained only once), and AdamW's two moments, 4 bytes each (what an unsharded or sharded
+    full-weight or LoRA checkpoint holds), plus 1 MiB for the small files."""
+    trained = {id(p) for p in model.parameters() if p.requires_grad}
+    saved = sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False) if id(p) in trained)
+    return 4 * saved + 8 * sum(p.numel() for p in model.parameters() if p.requires_grad) + (1 << 20)
+
+
+def disk_full(path: Path) -> bool:
+    """The disk of `path` has less than 1 MiB free (after a failed write: the cause was a full disk, whatever the
+    writer's own message says)."""
+    try:
+        return shutil.disk_usage(path).free < (1 << 20)
+    except OSError:
+        return False
+
+
+def free_space_problem(run_dir: Path, needed: int) -> str | None:
+    """None if the disk of `run_dir`'s checkpoints has `needed` bytes free (checked before a save, so a full disk
+    stops the run before anything is written), else what is short."""
+    where = run_dir / CHECKPOINTS if (run_dir / CHECKPOINTS).exists() else run_dir
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return None  # cannot tell: the write itself reports a full disk
+    if free >= needed:
+        return None
+    return f"not enough free space for it ({needed / 2**20:.1f} MiB needed, {free / 2**20:.1f} MiB free on {where})"
 
 
 def rng_state() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -42,8 +42,9 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-TRUST_HELP = ("import the task code (file.py:Name or module:Name) that the run directory's config names; without "
-              "it a run directory's task runs only if it is built in or named again with --task")
+TRUST_HELP = ("import the task code (file.py:Name or module:Name) that the run directory's config names, or contact "
+              "the server its task names (openenv:URL); without it a run directory's task runs only if it is built in "
+              "or named again with --task")
 
 
 def task_trusted(args: argparse.Namespace, cfg: TrainConfig) -> bool:
@@ -175,7 +176,7 @@ def launch_torchrun(nproc: int, argv: list[str], nnodes: int = 1, endpoint: str 
     launch = [*where, f"--nproc_per_node={nproc}"]
     print(f"llmrl: launching {nproc} processes{f' on each of {nnodes} nodes' if nnodes > 1 else ''}: "
           f"torchrun {' '.join(launch)} -m llmrl {' '.join(rest)}", file=sys.stderr, flush=True)
-    return subprocess.call([sys.executable, "-m", "torch.distributed.run", *launch, "-m", "llmrl", *rest], env=env)
+    return subprocess.call([sys.executable, "-m", "llmrl.launch", *launch, "-m", "llmrl", *rest], env=env)
 
 
 def resume_config(args: argparse.Namespace) -> TrainConfig:
@@ -400,11 +401,19 @@ def main(argv: list[str] | None = None) -> int:
             print("\nllmrl: interrupted", file=sys.stderr)
             return 130
         if isinstance(e, RunStopped):
-            print(f"llmrl: stopped: {e}", file=sys.stderr)
+            if not (e.every_rank and os.environ.get("RANK", "0") != "0"):  # rank 0 speaks for a stop of every rank
+                print(f"llmrl: stopped: {e}", file=sys.stderr)
             return 1
         if isinstance(e, UserError):
             print(f"llmrl: error: {e}", file=sys.stderr)
             return 2
+        from llmrl.training.distributed import lost_peer
+
+        lost = lost_peer(e)
+        if lost:  # not this rank's failure: the rank that went away said why (or the launcher, if it was killed)
+            print(f"llmrl: rank {os.environ.get('RANK', '?')}: lost contact with another rank ({lost[-160:]})",
+                  file=sys.stderr)
+            return 1
         raise
 
 

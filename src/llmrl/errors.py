@@ -19,7 +19,12 @@ class DataError(UserError):
 
 class RunStopped(UserError):
     """The run stopped itself to lose nothing (repeated non-finite updates, a full disk, a raising
-    reward under --strict_rewards); the message says where the last good checkpoint is."""
+    reward under --strict_rewards); the message says where the last good checkpoint is. every_rank: the same stop
+    is raised on every rank of a multi-process run (a collective's failure), so only rank 0 prints it."""
+
+    def __init__(self, message: str = "", every_rank: bool = False) -> None:
+        super().__init__(message)
+        self.every_rank = every_rank
 
 
 class EngineDied(RunStopped):

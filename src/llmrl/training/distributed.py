@@ -100,3 +100,17 @@ def all_reduce_grads(params: list[torch.nn.Parameter], bad: bool, dist: Dist) ->
         p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
         offset += g.numel()
     return bool(flat[-1].item() > 0)
+
+
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "communicator was aborted")
+
+
+def lost_peer(e: BaseException) -> str | None:
+    """Under torchrun, a collective that failed because another rank went away (it stopped with its own line, or was
+    killed, which the launcher says): the first line of the backend's error; else None."""
+    if launched_world_size() == 1 or not isinstance(e, RuntimeError):
+        return None
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else type(e).__name__
+    is_backend = isinstance(e, getattr(torch.distributed, "DistError", ())) or "gloo" in text or "NCCL" in text
+    return first if is_backend and any(mark in text for mark in LOST_PEER) else None

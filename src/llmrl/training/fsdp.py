@@ -23,10 +23,14 @@ How llmrl's loop runs on a sharded policy:
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 
 import torch
+
+from llmrl.errors import ConfigError
 
 
 def fsdp_modules(model) -> list:
@@ -131,19 +135,35 @@ def save_sharded(model, optimizer, directory) -> None:
 
 def load_sharded(directory, model, optimizer=None) -> None:
     """Load a DCP checkpoint's weights (and optimizer state) into `model` (and `optimizer`), sharded or not, on any
-    number of ranks (DCP reshards); without a process group each process reads the whole tensors."""
+    number of ranks (DCP reshards); without a process group each process reads the whole tensors. Read as data only
+    (dcp_files: `.metadata` and non-tensor entries through allow-lists); a file that is refused, damaged or does not
+    fit the model is one ConfigError line."""
     import torch.distributed as tdist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                          set_state_dict)
 
+    from llmrl.dcp_files import failure_line, first_failure, planner, read_metadata, reader
+
+    read_metadata(Path(directory) / ".metadata")  # refused here, in one line, before DCP logs its own failure
     no_dist = not (tdist.is_available() and tdist.is_initialized())
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=str(directory), no_dist=no_dist)
+    else:
+        model_state, optimizer_state = get_state_dict(model, optimizer)  # AdamW's state allocated, to be filled
+        state = {"model": model_state, "optimizer": optimizer_state}
+    try:
+        with warnings.catch_warnings():  # one process reading a sharded checkpoint is meant (DCP warns it assumes so)
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=reader(directory), planner=planner(), no_dist=no_dist)
+    except BaseException as e:  # DCP wraps every rank's error in its CheckpointException, a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        cause = first_failure(e)
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        raise ConfigError(f"checkpoint {directory} could not be read: {failure_line(e)}") from None
+    if optimizer is None:
         set_model_state_dict(model, state["model"])
-        return
-    model_state, optimizer_state = get_state_dict(model, optimizer)  # AdamW's state allocated, to be filled
-    state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=str(directory), no_dist=no_dist)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

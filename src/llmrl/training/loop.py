@@ -18,7 +18,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from llmrl.checkpoint import checkpoint_dir, latest_checkpoint
+from llmrl.checkpoint import checkpoint_dir, is_sharded_checkpoint, latest_checkpoint
 from llmrl.config import TrainConfig, check_resume_config, preflight
 from llmrl.errors import EngineDied, RunStopped
 from llmrl.tasks import resume_command
@@ -94,22 +94,24 @@ def stop_after_failed_logs(run: Run) -> RunStopped:
     SIGKILL); if only the report failed, save this step first."""
     reason = run.logger.failed or LOGS_FAILED_ELSEWHERE
     if run.dist.any(run.logger.lost_rows):
-        return RunStopped(f"{reason}; {kept_checkpoint(run)}")
-    return stop_with_checkpoint(run, reason)
+        return RunStopped(f"{reason}; {kept_checkpoint(run)}", every_rank=True)
+    return stop_with_checkpoint(run, reason, every_rank=True)
 
 
-def stop_with_checkpoint(run: Run, reason: str) -> RunStopped:
+def stop_with_checkpoint(run: Run, reason: str, every_rank: bool = False) -> RunStopped:
     """The run cannot go on (its engine's server went away, a log write failed): checkpoint the last step learned
     (unless it is saved already) and say where, in one line. The model, optimizer and shuffle are those of that
     step (a rollout changes none of them) and the task's state is from before the unlearned step's prompts, so
-    --resume continues exactly. If that save fails too, the line says so and names the checkpoint kept."""
+    --resume continues exactly. If that save fails too, the line says so and names the checkpoint kept. every_rank:
+    every rank stops here together (rank 0 alone prints the line)."""
     done = run.learned
     latest = latest_checkpoint(run.dir, report=lambda _: None)
     try:
         path = latest if latest == checkpoint_dir(run.dir, done) else save(run, done)
     except RunStopped as e:
-        return RunStopped(f"{reason}; {e}")
-    return RunStopped(f"{reason}; checkpoint {path} (step {done}); resume with: {resume_command(run.cfg, run.dir)}")
+        return RunStopped(f"{reason}; {e}", every_rank=every_rank)
+    return RunStopped(f"{reason}; checkpoint {path} (step {done}); resume with: {resume_command(run.cfg, run.dir)}",
+                      every_rank=every_rank)
 
 
 def loop(run: Run) -> TrainResult:
@@ -139,9 +141,12 @@ def loop(run: Run) -> TrainResult:
                 break
     close_run(run)
     if run.dist.is_main and path is not None:
-        loader = "AutoModelForCausalLM.from_pretrained" if run.plan.full else "PeftModel.from_pretrained"
-        print(f"llmrl: {'model' if run.plan.full else 'adapter'}: {path} (load it with {loader}, or "
-              f"`llmrl export {run.dir}`)", file=sys.stderr)
+        if is_sharded_checkpoint(path):  # DCP shards: from_pretrained cannot read them, export consolidates them
+            how = f"DCP shards: `llmrl export {run.dir}` writes a model AutoModelForCausalLM.from_pretrained loads"
+        else:
+            loader = "AutoModelForCausalLM.from_pretrained" if run.plan.full else "PeftModel.from_pretrained"
+            how = f"load it with {loader}, or `llmrl export {run.dir}`"
+        print(f"llmrl: {'model' if run.plan.full else 'adapter'}: {path} ({how})", file=sys.stderr)
     return TrainResult(model=run.model, tokenizer=run.tokenizer, run_dir=run.dir, last_metrics=last, adapter=path)
 
 
@@ -164,8 +169,9 @@ def stop_if_unhealthy(run: Run, step: int, warnings: list[str]) -> None:
     one line."""
     if warnings and run.cfg.strict_health:
         path = save(run, step)
-        raise RunStopped(f"step {step}: stopped by --strict_health ({warnings[0].split(':')[0]}); checkpoint {path}")
+        raise RunStopped(f"step {step}: stopped by --strict_health ({warnings[0].split(':')[0]}); checkpoint {path}",
+                         every_rank=True)  # (the step's metrics, and so its warnings, are every rank's)
     if run.totals.bad_in_a_row >= run.cfg.max_bad_steps:
         path = save(run, step)
         raise RunStopped(f"step {step}: {run.totals.bad_in_a_row} non-finite updates in a row (max_bad_steps="
-                         f"{run.cfg.max_bad_steps}); parameters are the last good ones, saved in {path}")
+                         f"{run.cfg.max_bad_steps}); parameters are the last good ones, saved in {path}", every_rank=True)

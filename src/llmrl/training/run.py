@@ -10,6 +10,7 @@ with every checkpoint (and when a new run starts): on resume the two must agree 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import json
 import os
@@ -25,8 +26,8 @@ from typing import Any
 import torch
 
 from llmrl.chat_templates import use_chat_template
-from llmrl.checkpoint import (checkpoint_tmp, latest_checkpoint, load_checkpoint, load_policy_weights,
-                              remove_stale_temporaries, save_checkpoint)
+from llmrl.checkpoint import (checkpoint_tmp, disk_full, free_space_problem, latest_checkpoint, load_checkpoint,
+                              load_policy_weights, remove_stale_temporaries, save_checkpoint, space_needed)
 from llmrl.config import Plan, TrainConfig, resolve, resume_differences, save_config
 from llmrl.errors import ConfigError, RunStopped
 from llmrl.logger import RunLogger, check_log_sizes, plain
@@ -54,6 +55,7 @@ from llmrl.training import hooks
 from llmrl.training.cpu_speed import keep_heap_memory, return_heap_memory, use_hash_dropout
 from llmrl.training.distributed import Dist, init_distributed
 from llmrl.training.evaluate import evaluate
+from llmrl.dcp_files import failure_line
 from llmrl.training.fsdp import full_state, gathered, save_sharded
 from llmrl.training.health import Health
 from llmrl.training.rollouts import RolloutSource
@@ -319,6 +321,12 @@ def build_run(cfg: TrainConfig, dist: Dist, lock: RunLock | None, resume: bool, 
         start, totals = state["step"] + 1, Totals(**state["totals"])
         if dist.is_main:
             print(f"llmrl: resuming {run_dir} from {checkpoint.name} (step {state['step']} of {cfg.steps})", file=sys.stderr)
+            saved_world = state.get("world_size", 1)
+            if saved_world != dist.world:  # allowed (checkpoints hold whole or resharded tensors), but said
+                how = "unsharded, each process holding the whole model" if cfg.shard == "fsdp" and not plan.fsdp else ""
+                print(f"llmrl: note: {checkpoint.name} was written by {saved_world} process(es), this resume runs "
+                      f"{dist.world}{': ' + how if how else ''} (the same run within float rounding; "
+                      f"`--nproc {saved_world}` resumes as it ran)", file=sys.stderr)
         health = Health(**state.get("health", {}))
     notes = [plan.precision, kernels] if plan.device.type == "cpu" else [plan.precision]
     try:
@@ -378,16 +386,38 @@ def environment_runner(cfg: TrainConfig, task: Task, model, tokenizer) -> Episod
 
 def save(run: Run, step: int) -> Path | None:
     """Checkpoint the run after `step` (rank 0 writes; every rank's dropout RNG goes with it), then config.yaml.
-    Any failed write (a full disk, an I/O error) stops the run in one line naming the checkpoint it kept."""
+    Any failed write (a full disk, an I/O error) stops the run in one line naming the checkpoint it kept, on every
+    rank: a failure of rank 0's own writes is shared, so the other ranks stop with it instead of waiting for it at
+    the next collective. Returns the checkpoint's path on rank 0 (None on the others)."""
     rank_rng = run.dist.gather(rank_rng_state())
+    short = free_space_problem(run.dir, space_needed(run.model)) if run.dist.is_main else None
+    if run.dist.any(short is not None):  # before any rank writes: a full disk stops the run with nothing half-written
+        raise RunStopped(f"could not write the checkpoint of step {step}: {short}; {kept_checkpoint(run)}",
+                         every_rank=True)
     sharded = write_rank_shards(run, step) if run.plan.fsdp and run.plan.full else None  # every rank writes its shards
     whole = full_state(run.model, run.optimizer) if run.plan.fsdp and not run.plan.full else None  # LoRA: gathered
-    if not run.dist.is_main:
-        return None
+    path, failed = None, None
+    if run.dist.is_main:
+        try:
+            path = write_checkpoint(run, step, rank_rng, whole, sharded)
+        except RunStopped as e:
+            failed = e
+    if run.dist.any(failed is not None):
+        raise failed or RunStopped(f"rank 0 could not write the checkpoint of step {step}", every_rank=True)
+    if path is not None:
+        hooks.fire("after_checkpoint", path=path)
+    return path
+
+
+def write_checkpoint(run: Run, step: int, rank_rng: list, whole: tuple | None, sharded: Path | None) -> Path:
+    """Rank 0's part of `save`: the checkpoint's files (around the shards every rank wrote, if sharded) and
+    config.yaml; a failed write is RunStopped naming the checkpoint kept."""
     drawn_from = run.rollouts.drawn_from if run.rollouts is not None else {}
     task_state = drawn_from[min(drawn_from)] if drawn_from else run.task.state_dict()
     problem = task_state_problem(task_state)
     if problem:
+        if sharded:
+            shutil.rmtree(sharded, ignore_errors=True)
         raise RunStopped(f"step {step}: the task's {problem}, so it cannot be checkpointed; {kept_checkpoint(run)}")
     state = {"task": task_state, "totals": vars(run.totals), "health": vars(run.health), "config": run.cfg.to_dict(),
              "world_size": run.dist.world}
@@ -405,7 +435,6 @@ def save(run: Run, step: int) -> Path | None:
     except OSError as e:
         raise RunStopped(f"could not write {run.dir / CONFIG}: {e.strerror or e}; checkpoint {path} (step {step}) is "
                          f"complete: fix the cause and run `{resume_command(run.cfg, run.dir)}`") from None
-    hooks.fire("after_checkpoint", path=path)
     return path
 
 
@@ -413,15 +442,30 @@ def write_rank_shards(run: Run, step: int) -> Path:
     """FSDP2 full weights: every rank writes its shards of the weights and AdamW state (DCP) into one new temporary
     checkpoint directory (made by rank 0), which save_checkpoint completes; a failed write stops every rank in one
     line, the temporary directory removed and the previous checkpoint intact."""
-    made = checkpoint_tmp(run.dir, step) if run.dist.is_main else None
-    tmp = Path(run.dist.gather(str(made) if made else "")[0])
+    made: Path | OSError | None = None
+    if run.dist.is_main:
+        try:
+            made = checkpoint_tmp(run.dir, step)
+        except OSError as e:
+            made = e
+    shared = run.dist.gather(str(made) if isinstance(made, Path) else "")[0]
+    if not shared:  # rank 0 could not make the directory: every rank stops
+        why = made.strerror or made if isinstance(made, OSError) else "rank 0 could not make its directory"
+        raise RunStopped(f"could not write the checkpoint of step {step}: {why}; {kept_checkpoint(run)}",
+                         every_rank=True)
+    tmp = Path(shared)
     try:
         save_sharded(run.model, run.optimizer, tmp)
-    except Exception as e:  # noqa: BLE001 - DCP raises its CheckpointException (wrapping each rank's OSError) on all
+    except BaseException as e:  # DCP's CheckpointException (every rank's error, raised on all) is a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        why = failure_line(e)
         if run.dist.is_main:
+            if disk_full(tmp):  # torch's writer may report a short write as "unexpected pos ..." instead of ENOSPC
+                why = f"{os.strerror(errno.ENOSPC)} ({why})"
             shutil.rmtree(tmp, ignore_errors=True)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise RunStopped(f"could not write the checkpoint of step {step}: {first[:300]}; {kept_checkpoint(run)}") from None
+        raise RunStopped(f"could not write the checkpoint of step {step}: {why}; {kept_checkpoint(run)}",
+                         every_rank=True) from None
     return tmp
 
 
