@@ -175,7 +175,7 @@ def run_trl(cfg: dict[str, Any], output_dir: str) -> dict[str, Any]:
         return [float(task.reward(examples[i], completion_text(c)).total) for i, c in zip(idx, completions)]
 
     tokenizer = load_tokenizer(cfg["model"])
-    model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=torch.float32, trust_remote_code=False)
     peft_config = LoraConfig(
         r=cfg["lora_r"], lora_alpha=cfg["lora_alpha"], lora_dropout=cfg["lora_dropout"],
         target_modules=list(cfg["lora_target_modules"]), bias="none", task_type="CAUSAL_LM",

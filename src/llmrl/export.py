@@ -86,7 +86,8 @@ def export(path: Path, out: Path, merge: bool = False, dtype: str = "float32", c
         if prompts:
             from transformers import AutoModelForCausalLM
 
-            reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=getattr(torch, dtype)).to(merged.device)
+            reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=getattr(torch, dtype), use_safetensors=True,
+                                                            trust_remote_code=False).to(merged.device)
             after = greedy_texts(reloaded, tokenizer, prompts, cfg.max_new_tokens)
             same = sum(a == b for a, b in zip(before, after))
             print(f"llmrl export: greedy check: {same}/{len(prompts)} eval prompts give the "

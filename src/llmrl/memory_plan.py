@@ -96,7 +96,7 @@ def model_shape(config, lora_targets: list[str], lora_r: int) -> Shape:
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     params = sum(p.numel() for p in model.parameters())  # tied weights once
     blocks = set(getattr(model, "_no_split_modules", None) or [])
     block = next((m for m in model.modules() if type(m).__name__ in blocks), None)
@@ -230,7 +230,7 @@ def dry_run(cfg, world: int) -> list[str]:
     from llmrl.models.loading import resolve_model_path
 
     plan = resolve(cfg)
-    config = AutoConfig.from_pretrained(resolve_model_path(cfg.model))
+    config = AutoConfig.from_pretrained(resolve_model_path(cfg.model), trust_remote_code=False)
     shape = model_shape(config, cfg.lora_target_modules, cfg.lora_r)
     full, fsdp = cfg.finetune == "full", cfg.shard == "fsdp" and world > 1
     prompt, source = longest_prompt(cfg)

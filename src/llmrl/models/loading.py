@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import json
 import os
 import shutil
 import sys
@@ -99,10 +100,10 @@ def _convert_gguf(gguf_path: Path) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     d, f = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    loaded = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
-    config = AutoConfig.from_pretrained(d, gguf_file=f)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=f, trust_remote_code=False)
+    loaded = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32, trust_remote_code=False)
+    config = AutoConfig.from_pretrained(d, gguf_file=f, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
@@ -128,11 +129,14 @@ def resolve_model_path(name: str) -> str:
             raise ModelError(f"model '{name}': no such .gguf file")
         return str(_convert_gguf(path.resolve()))
     if Path(name).expanduser().is_dir():
-        return str(Path(name).expanduser())
-    problem = check_model_name(name)
-    if problem:
-        raise ModelError(f"model '{name}': {problem}")
-    return hub_model_source(name)
+        path = str(Path(name).expanduser())
+    else:
+        problem = check_model_name(name)
+        if problem:
+            raise ModelError(f"model '{name}': {problem}")
+        path = hub_model_source(name)
+    check_model_dir(path, name)  # every loader (transformers, vLLM, the memory plan) gets its path from here
+    return path
 
 
 HUB_PROBE_SECONDS = 5.0  # how long the hub may take to answer before it counts as unreachable
@@ -226,7 +230,7 @@ def load_tokenizer(path: str):
     """Tokenizer padded on the left (prompts are left-padded); pad falls back to EOS."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)  # never transformers' "run custom code? [y/N]"
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -240,11 +244,67 @@ def load_base_model(name: str, device: torch.device, dtype: torch.dtype):
     path = resolve_model_path(name)
     try:
         tokenizer = load_tokenizer(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        # only safetensors weights (a pytorch_model.bin is a pickle) and none of the model's own code
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelError(f"model '{name}' could not be loaded: {first}") from None
+        raise ModelError(load_error(name, e)) from None
     return model.to(device), tokenizer
+
+
+PICKLED_WEIGHTS = ("pytorch_model*.bin", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle")
+
+
+def check_model_dir(path: str, name: str) -> None:
+    """Refuse, in one line, a local model directory (or cached snapshot) that could only be loaded by running code:
+    one whose config names code of its own (`auto_map`) for an architecture transformers does not know, or whose
+    weights are only pickled (`pytorch_model.bin`, `.pt`, ...). Nothing is imported or unpickled to decide. (Every
+    loader also passes trust_remote_code=False; a hub id is loaded with `use_safetensors=True`, which never fetches
+    nor reads a pickle.)"""
+    d = Path(path)
+    if not d.is_dir():
+        return
+    own_code = _own_code(d)
+    if own_code:
+        raise ModelError(f"model '{name}': {own_code}, which llmrl never runs (trust_remote_code is off); use a model "
+                         "whose architecture transformers supports")
+    if any(d.glob("*.safetensors")):
+        return
+    pickled = next((p for pattern in PICKLED_WEIGHTS for p in sorted(d.glob(pattern))), None)
+    if pickled is not None:
+        raise ModelError(f"model '{name}': its weights are {pickled}, a pickle (loading one can run code); llmrl loads "
+                         f"only safetensors weights: convert it to model.safetensors once, where you trust the file "
+                         f"(AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR) writes one), and give "
+                         f"that directory")
+
+
+def _own_code(d: Path) -> str | None:
+    """What in model directory `d` asks for code of its own that transformers cannot do without, or None."""
+    try:
+        config = json.loads((d / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # no config or an unreadable one: transformers says what is wrong
+    if not isinstance(config, dict) or not isinstance(config.get("auto_map"), dict):
+        return None
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = config.get("model_type")
+    if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
+        return None  # transformers' own class is used; the auto_map is ignored (trust_remote_code=False)
+    files = sorted({str(v).split("--")[-1].split(".")[0] + ".py" for v in config["auto_map"].values() if isinstance(v, str)})
+    return (f"its config.json names code of its own (auto_map: {', '.join(files) or 'custom code'}) for model_type "
+            f"{model_type!r}, which transformers does not know")
+
+
+def load_error(name: str, error: BaseException) -> str:
+    """One line for a model that transformers could not load (`error`), saying what to do where llmrl knows."""
+    text = str(error)
+    if "trust_remote_code" in text or "custom code" in text:
+        return (f"model '{name}' could not be loaded: it needs code of its own (auto_map in its config), which llmrl "
+                "never runs (trust_remote_code is off); use a model whose architecture transformers supports")
+    first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    if isinstance(error, OSError) and "safetensors" in text:  # e.g. a hub model whose weights are only pytorch_model.bin
+        first += " (llmrl loads only safetensors weights, never a pickle such as pytorch_model.bin: convert it once)"
+    return f"model '{name}' could not be loaded: {first}"
 
 
 def add_lora(model, r: int, alpha: int, dropout: float, target_modules: list[str], gradient_checkpointing: bool):

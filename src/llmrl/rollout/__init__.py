@@ -18,7 +18,8 @@ def context_tokens(cfg, limits) -> int:
     reply = max(cfg.max_new_tokens, cfg.eval_max_new_tokens or cfg.max_new_tokens)
     longest = limits.context_tokens(cfg.max_prompt_tokens, reply) if limits is not None else \
         cfg.max_prompt_tokens + reply + 8
-    positions = getattr(AutoConfig.from_pretrained(resolve_model_path(cfg.model)), "max_position_embeddings", None)
+    positions = getattr(AutoConfig.from_pretrained(resolve_model_path(cfg.model), trust_remote_code=False),
+                        "max_position_embeddings", None)
     return min(longest, positions or longest)
 
 

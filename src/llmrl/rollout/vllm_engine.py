@@ -121,7 +121,7 @@ class VLLMEngine:
             self.llm = LLM(
                 model=model_path, tokenizer=model_path, dtype=str(dtype).removeprefix("torch."), seed=seed,
                 logprobs_mode="raw_logprobs", max_model_len=max_len, enable_prefix_caching=prefix_caching,
-                enforce_eager=cpu, **lora, **kwargs,
+                enforce_eager=cpu, trust_remote_code=False, **lora, **kwargs,
             )
         self.lora_id = 0  # LoRA id of the adapter now loaded (0: none yet)
         self.version: int | None = None  # the policy version it holds (None: none synced yet)
@@ -251,7 +251,7 @@ def kv_cache_bytes(model_path: str, sequences: int, max_len: int, dtype: torch.d
     (keys and values of every layer), at least 64 MiB."""
     from transformers import AutoConfig
 
-    c = AutoConfig.from_pretrained(model_path)
+    c = AutoConfig.from_pretrained(model_path, trust_remote_code=False)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     per_token = 2 * c.num_hidden_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8

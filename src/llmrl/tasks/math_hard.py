@@ -163,8 +163,8 @@ def usable_row(row: Any, mode: str = "seed") -> tuple[dict[str, Any] | None, str
 def level5(rows: list[Any], mode: str = "seed", time_limit: float = grading.DEFAULT_TIME_LIMIT,
            workers: int | None = None) -> tuple[list[dict[str, Any]], Counter]:
     """Keep the usable level-5 problems in order (see usable_row); count the others by reason.
-    seed: numeric golds only (gold is a float). verify: every gold math-verify can read (gold is the
-    answer text)."""
+    seed: numeric golds only (gold is a float). verify: golds as answer text; those that normalise to nothing are
+    dropped here, the others are read by math-verify when their row is first drawn (MathHardTask)."""
     kept, dropped = [], Counter()
     for row in rows:
         usable, reason = usable_row(row, mode)
@@ -172,12 +172,16 @@ def level5(rows: list[Any], mode: str = "seed", time_limit: float = grading.DEFA
             dropped[reason] += 1
         else:
             kept.append(usable)
-    if mode == "verify" and kept:
-        readable = grading.gold_parses([row["gold"] for row in kept], time_limit=time_limit, workers=workers)
+    if mode == "verify" and kept:  # what needs no math-verify; the rest is read when drawn (grading.draw_readable)
+        readable = [grading.gold_readable_here(row["gold"]) is not False for row in kept]
         dropped["gold answer unreadable by math-verify"] += readable.count(False)
         kept = [row for row, ok in zip(kept, readable) if ok]
         dropped = +dropped  # drop zero counts
     return kept, dropped
+
+
+def _gold(row: dict[str, Any]) -> Any:
+    return row["gold"]
 
 
 class MathHardTask(SeededSampling):
@@ -198,7 +202,9 @@ class MathHardTask(SeededSampling):
             "reward": reward,
             "train": {"kept": len(self.train_rows), "dropped": dict(train_dropped)},
             "test": {"kept": len(self.test_rows), "dropped": dict(test_dropped)},
+            **({"math_verify_reads_golds": "when drawn"} if reward == "verify" else {}),
         }
+        self.source = data or HUB_DATASET
         if not self.train_rows or not self.test_rows:
             kind = "numeric answers" if reward == "seed" else "answers math-verify can read"
             raise DataError(
@@ -216,9 +222,16 @@ class MathHardTask(SeededSampling):
         )
 
     def sample_train_batch(self, n: int) -> list[Example]:
+        if self.mode == "verify":  # only rows whose gold math-verify reads, each read when first drawn
+            return [self.example(r) for r in grading.draw_readable(
+                self.train_rows, n, self.rng, _gold, what=f"math_data '{self.source}' (train)",
+                time_limit=self.time_limit, workers=self.workers)]
         return [self.example(self.train_rows[self.rng.randrange(len(self.train_rows))]) for _ in range(n)]
 
     def eval_examples(self, n: int) -> list[Example]:
+        if self.mode == "verify":
+            return [self.example(r) for r in grading.first_readable(self.test_rows, n, _gold, time_limit=self.time_limit,
+                                                                    workers=self.workers)]
         return [self.example(r) for r in self.test_rows[:n]]
 
     def verdicts(self, examples: list[Example], completions: list[str]) -> list[grading.Verdict]:
