@@ -101,3 +101,38 @@ def test_built_in_tasks_and_trusted_code_pass_the_check():
     with pytest.raises(UserError, match=r"run dir R names environment_factory 'env.py:Game' \(a file it would import\); "
                                         r".* --environment_factory"):
         check_task_code(cfg("dataset", factory="env.py:Game"), "R", trusted=False)
+
+
+def test_a_run_dirs_library_task_naming_a_url_is_refused_like_code_and_never_contacted(run, tmp_path):
+    """`task: openenv:URL` in a run directory would have eval contact that host, whose answers become the rewards:
+    eval --run and chat refuse it in one line naming it (as task code), and nothing connects to the host."""
+    import shutil
+    import socket
+
+    from llmrl.tasks import check_task_code, is_task_code
+
+    run_dir, _, marker = run
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        listener.settimeout(0.5)
+        spec = f"openenv:http://127.0.0.1:{listener.getsockname()[1]}"
+        copy = tmp_path / "run"
+        shutil.copytree(run_dir, copy)
+        text = (copy / "config.yaml").read_text()
+        (copy / "config.yaml").write_text("".join(f"task: {spec}\n" if line.startswith("task: ") else line
+                                                  for line in text.splitlines(keepends=True)))
+        for command in ("eval --run", "chat"):
+            p = run_cli(*COMMANDS[command](copy, tmp_path / "out"))
+            assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr[-2000:]
+            assert p.stderr.startswith(f"llmrl: error: run dir {copy} names task '{spec}' (a server it would contact, "
+                                       "which then chooses the rewards); pass --trust_task_code"), p.stderr
+            assert "--task" in p.stderr
+        with pytest.raises(socket.timeout):
+            listener.accept()
+    assert not marker.exists()
+    assert is_task_code(spec) and is_task_code(f"format_copy,{spec}") and not is_task_code("reasoning_gym:chain_sum")
+    cfg = SimpleNamespace(task=spec, reward_funcs=[], environment_factory=None)
+    check_task_code(cfg, "R", trusted=True)
+    with pytest.raises(Exception, match=rf"run dir R names task '{spec}' \(a server it would contact"):
+        check_task_code(cfg, "R", trusted=False)

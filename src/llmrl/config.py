@@ -91,8 +91,9 @@ class TrainConfig:
     episode_tokens: int | None = doc(None, "environments: sampled tokens per episode, all replies together (default: max_turns × max_new_tokens)")
     max_env_tokens: int = doc(256, "environments: tokens one environment turn may add, all its messages together (contents, plus the template's framing of each message after the first); the message that reaches the cap is cut with a marker, later ones are dropped (counted in rollout/env_truncated)")
     env_timeout: float = doc(10.0, "environments: seconds one environment step may take; a step that overruns, raises or returns something that is not a Turn ends its episode with reward 0 (counted in rollout/env_errors; overruns also in rollout/env_timeouts)")
-    env_isolation: str = doc("process", "environments: where steps run: process (worker processes holding a copy of the environment; an overrunning step is killed with its worker, which is replaced) or thread (daemon threads in the trainer, for environments that cannot be pickled; an overrunning step cannot be stopped, so more than 4 still running stop the run). See tasks/workers.py")
+    env_isolation: str = doc("process", "environments: where steps run: process (worker processes holding a copy of the environment; an overrunning step is killed with its worker, which is replaced) or thread (daemon threads in the trainer, for environments that cannot be pickled; an overrunning step cannot be stopped, so more than 4 still running stop the run). The same choice for calls into user code (user_code_timeout). See tasks/workers.py")
     env_workers: int = doc(4, "environments: steps of one turn's episodes that run at once (worker processes or threads)")
+    user_code_timeout: float = doc(120.0, "seconds one call into user code on the trainer's side may take: a --reward_funcs function's call (one per batch), a user task's or registered reward function's reward, a user environment's reset, start, reward, evaluate or finish, an environment_factory's construction, reset or get_reward, an OpenEnv, TextArena or SkyRL-gym reset. Past it the call is killed (a module-level function in a worker process, with env_isolation process) or abandoned on its thread (more than 4 still running stop the run in one line), and what it was for scores 0 and is counted (reward/errors and reward/timeouts; a reset's episodes in rollout/env_errors and rollout/env_timeouts). Apart from env_timeout because one reward call scores a whole batch (tasks/workers.py: UserCalls)")
     # optimisation
     lr: float = doc(3e-5, "AdamW learning rate for the LoRA parameters")
     weight_decay: float = doc(0.0, "AdamW weight decay")
@@ -211,7 +212,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
             "vllm_sleep", "vllm_prefix_caching", "old_logprobs", "mismatch_correction", "mismatch_cap"),
     "sampling": ("batch_size", "group_size", "min_new_tokens", "max_new_tokens", "max_prompt_tokens", "temperature",
                  "top_p", "top_k", "repetition_penalty"),
-    "environments": ("max_turns", "episode_tokens", "max_env_tokens", "env_timeout", "env_isolation", "env_workers"),
+    "environments": ("max_turns", "episode_tokens", "max_env_tokens", "env_timeout", "env_isolation", "env_workers",
+                     "user_code_timeout"),
     "algorithm": ("algo", "adv_estimator", "adv_clip", "normalize_advantages", "clip_eps", "clip_eps_low",
                   "clip_eps_high", "ratio_level", "loss_agg", "kl_coef", "kl_estimator", "kl_agg", "kl_in_reward",
                   "dynamic_sampling", "dynamic_sampling_rounds", "overlong_buffer", "overlong_penalty", "overlong_filter"),
@@ -233,7 +235,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
 EVAL_FIELDS = frozenset(SECTIONS["task and data"] + SECTIONS["LoRA"] + SECTIONS["advanced speed switches"] + (
     "seed", "device", "dtype", "rollout_engine", "vllm_memory", "vllm_prefix_caching", "max_new_tokens", "max_prompt_tokens", "eval_n", "eval_batch_size",
     "eval_samples_per_prompt", "eval_temperature", "eval_top_p", "eval_max_new_tokens", "max_turns", "episode_tokens",
-    "max_env_tokens", "env_timeout", "env_isolation", "env_workers"))
+    "max_env_tokens", "env_timeout", "env_isolation", "env_workers", "user_code_timeout"))
 
 # Fields a resumed run may change; any other difference from the checkpoint's config is an error.
 RESUME_MAY_CHANGE = {
@@ -241,7 +243,7 @@ RESUME_MAY_CHANGE = {
     "keep_checkpoints", "sample_log_interval", "max_bad_steps", "strict_rewards", "wandb", "wandb_project", "tensorboard", "report",
     "run_name", "num_threads", "device", "strict_health", "health_steps", "health_truncated_frac",
     "health_zero_spread_frac", "health_max_kl", "health_max_clip_frac", "grade_time_limit", "grade_workers", "fast", "dist_timeout", "logp_from_sampler", "shared_prefix", "fuse_accumulation", "onednn_linear", "fuse_lora",
-    "merge_lora_sampling", "keep_heap_memory", "vllm_memory", "vllm_sleep", "vllm_prefix_caching", "env_timeout", "env_isolation", "env_workers", "server_url", "api_key_file",
+    "merge_lora_sampling", "keep_heap_memory", "vllm_memory", "vllm_sleep", "vllm_prefix_caching", "env_timeout", "env_isolation", "env_workers", "user_code_timeout", "server_url", "api_key_file",
     "max_staleness",  # a resumed async run re-draws its in-flight batch anyway (docs/engines.md: async)
     "shard",  # a sharded run's checkpoint is an unsharded run's (training/fsdp.py): it resumes either way
 }
@@ -499,6 +501,8 @@ def validate(cfg: TrainConfig) -> None:
     rule(0 < cfg.env_timeout <= 3600, "env_timeout", "must be positive and at most 3600 seconds (a bound on a hung step)")
     rule(cfg.env_isolation in ("process", "thread"), "env_isolation", "must be process or thread")
     rule(cfg.env_workers >= 1, "env_workers", "must be at least 1")
+    rule(0 < cfg.user_code_timeout <= 3600, "user_code_timeout",
+         "must be positive and at most 3600 seconds (a bound on a call into user code that hangs)")
     rule(cfg.dynamic_sampling_rounds >= 1, "dynamic_sampling_rounds", "must be at least 1")
     rule(0 <= cfg.overlong_buffer <= cfg.max_new_tokens, "overlong_buffer", f"must be in [0, max_new_tokens={cfg.max_new_tokens}]")
     rule(cfg.overlong_penalty >= 0, "overlong_penalty", "must not be negative")
@@ -675,6 +679,18 @@ class Plan:
 def launched_world_size() -> int:
     """The processes training together: torchrun's WORLD_SIZE, 1 without torchrun (read here only)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def launch_flags() -> str:
+    """The `llmrl train` flags that start this many processes again (a resume command's: on fewer, a sharded run
+    would go on unsharded, or not fit): "" for one process, " --nproc N" on one node, and on several the
+    rendezvous flags each node's command needs."""
+    world = launched_world_size()
+    if world == 1:
+        return ""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    nodes = world // max(local, 1)
+    return f" --nproc {local}" + (f" --nnodes {nodes} --rdzv_endpoint HOST:PORT" if nodes > 1 else "")
 
 
 def resolve(cfg: TrainConfig) -> Plan:

@@ -70,9 +70,13 @@ METRICS: dict[str, Metric] = {
     "reward/std": Metric("std", EVERY_STEP, "Standard deviation (population) of the same rewards."),
     "reward/min": Metric("min", EVERY_STEP, "Smallest reward of the step."),
     "reward/max": Metric("max", EVERY_STEP, "Largest reward of the step."),
-    "reward/errors": Metric("total so far", EVERY_STEP, "Completions (or episodes) whose reward function raised or "
-                            "was not a finite number, each scored 0, since the run started (--strict_rewards stops "
-                            "the run instead)."),
+    "reward/errors": Metric("total so far", EVERY_STEP, "Completions (or episodes) whose reward function raised, "
+                            "overran user_code_timeout or was not a finite number, each scored 0, since the run "
+                            "started (--strict_rewards stops the run instead)."),
+    "reward/timeouts": Metric("count", "a reward call into user code overran", "Of reward/errors, this step's "
+                              "completions (or episodes) whose reward call into user code (a task's or environment's "
+                              "reward, a reward function, an environment_factory's get_reward) overran "
+                              "user_code_timeout and was killed or abandoned, each scored 0; absent when none."),
     "reward/overlong": Metric("mean", "overlong_buffer > 0", "DAPO's soft overlong penalty per completion (0 down to "
                               "-overlong_penalty over the last overlong_buffer tokens of the token budget: "
                               "max_new_tokens, or episode_tokens for an environment), added to the reward."),
@@ -204,8 +208,8 @@ METRICS: dict[str, Metric] = {
     "time/eval_s": Metric("seconds", EVAL, "The eval's wall time: decoding, scoring and the task's metrics."),
     # --- eval/: llmrl's own
     "eval/reward": Metric("mean", EVAL, "Mean task reward of the eval completions (or episodes), no shaping terms."),
-    "eval/reward_errors": Metric("count", EVAL, "Eval completions whose reward raised or was not a finite number "
-                                 "(scored 0)."),
+    "eval/reward_errors": Metric("count", EVAL, "Eval completions whose reward raised, overran "
+                                 "user_code_timeout or was not a finite number (scored 0)."),
     "eval/truncated_frac": Metric("fraction", EVAL, "Share of eval completions cut at eval's token cap "
                                   "(eval_max_new_tokens; format_copy at most 24), or episodes whose last reply was cut."),
     "eval/turns": Metric("mean", EVAL + ", environments", "Policy replies per eval episode."),

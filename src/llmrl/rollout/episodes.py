@@ -14,7 +14,10 @@ on padding, so every log-prob, KL, loss aggregation and token count downstream s
 A single-turn task is the one-turn case (`OneTurn`): its rows are made here too, by the same code.
 The environment's steps of one turn run at once, in the run's step workers (tasks/workers.py: processes
 that are killed at env_timeout, or threads); what reset and step return is checked, and a value of the
-wrong kind ends its episode like a raise (env_error, reward 0, counted), never the run.
+wrong kind ends its episode like a raise (env_error, reward 0, counted), never the run. A user's environment's
+reset and start run within user_code_timeout (tasks/custom.py: UserCode): one that overruns ends its episodes
+the same way, counted in rollout/env_timeouts too; too many overrunning calls still running stop the run
+(UserCodeStuck, one line).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from llmrl.batch import EpisodeCounts
-from llmrl.errors import ConfigError
+from llmrl.errors import ConfigError, EngineDied
 from llmrl.rng import kept_rng_state
 from llmrl.rollout.base import Rollout, Sampling
 from llmrl.rollout.keyed import mix
@@ -187,6 +190,8 @@ def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size:
                 try:
                     with kept_rng_state():  # a library that reseeds the global RNGs cannot move the trainer's
                         first = checked_messages(env.reset(ex), "reset")
+                except EngineDied:  # user code that stops the run (UserCodeStuck)
+                    raise
                 except Exception as e:  # noqa: BLE001 - a user's environment may raise anything
                     # the episodes end before their first reply; their rows still need a prompt
                     first, error = [{"role": "user", "content": ""}], error_text(e)
@@ -199,6 +204,8 @@ def run_episodes(engine, env, tokenizer, examples: list[Example], *, group_size:
                     try:
                         with kept_rng_state():
                             env.start(ep)
+                    except EngineDied:
+                        raise
                     except Exception as e:  # noqa: BLE001
                         ep.cut, ep.error = "env_error", error_text(e)
                 else:

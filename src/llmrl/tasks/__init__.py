@@ -10,7 +10,7 @@ from typing import Any
 from llmrl.errors import ConfigError, DataError, UserError
 from llmrl.tasks.base import Example, Reward, Task
 from llmrl.tasks.calculator import CalculatorEnv
-from llmrl.tasks.custom import REWARD_FUNCTIONS, FunctionTask, build_custom, construct, register_reward
+from llmrl.tasks.custom import REWARD_FUNCTIONS, FunctionTask, build_custom, construct, register_reward, user_object
 from llmrl.tasks.dataset import DatasetTask
 from llmrl.tasks.env import Environment, Episode, Turn, is_environment
 from llmrl.tasks.format_copy import FormatCopyTask
@@ -26,6 +26,7 @@ TASKS: dict[str, type] = {
     "guess": GuessEnv,
     "dataset": DatasetTask,
 }
+BUILT_IN = dict(TASKS)  # llmrl's own: called directly; a class register_env adds (or puts in their place) is the user's
 
 
 def register_env(name: str, cls: type | None = None):
@@ -42,10 +43,13 @@ def register_env(name: str, cls: type | None = None):
 
 
 def make_task(name: str, seed: int, math_data: str | None = None, prompts: str | None = None,
-              task_args: dict[str, Any] | None = None, **math_options) -> Task:
+              task_args: dict[str, Any] | None = None, calls: Any = None, **math_options) -> Task:
     """Build a task by name; its RNG is seeded from the run's seed. `math_options` (reward,
     time_limit, workers) go to math_hard; `task_args` to the task's constructor (a class task or
-    environment, built-in or the user's), as keywords beside `seed`."""
+    environment, built-in or the user's), as keywords beside `seed`. With `calls` (a run's UserCalls:
+    task_from_config), the user's code is bounded by its limit: this is where what is the user's is decided (a
+    spec's class or function, a registered reward function, a register_env class: tasks/custom.py user_object,
+    user_function); llmrl's own tasks and the library adapters are called directly."""
     args = dict(task_args or {})
     parts = mixture_parts(name, is_single_task_name)
     if parts is not None:  # a, b: a weighted mixture; task_args holds each task's own and the weights
@@ -53,19 +57,47 @@ def make_task(name: str, seed: int, math_data: str | None = None, prompts: str |
         if unknown:
             raise ConfigError(f"task={name!r}: task_args of a mixture are one mapping per task and weights; "
                               f"{sorted(unknown)} is neither")
-        tasks = {p: make_task(p, seed, math_data, prompts, args.get(p), **math_options) for p in parts}
+        tasks = {p: make_task(p, seed, math_data, prompts, args.get(p), calls, **math_options) for p in parts}
         return MixtureTask(seed, tasks, args.get("weights"))
     if name == "math_hard":
         return construct(name, MathHardTask, dict(seed=seed, data=math_data, **math_options) | args)
     if name in TASKS:
-        return construct(name, TASKS[name], dict(seed=seed) | args)
+        task = construct(name, TASKS[name], dict(seed=seed) | args)
+        return task if TASKS[name] is BUILT_IN.get(name) else user_object(task, name, calls)
     if is_library_task(name):
         return library_task(name, seed, args)
-    return build_custom(name, seed, prompts, args)
+    return build_custom(name, seed, prompts, args, calls)
 
 
 def task_from_config(cfg) -> Task:
-    """The task a TrainConfig asks for, seeded by cfg.seed (every rank draws the same prompts)."""
+    """The task a TrainConfig asks for, seeded by cfg.seed (every rank draws the same prompts), its calls into user
+    code bounded by cfg.user_code_timeout (tasks/workers.py: UserCalls)."""
+    from llmrl.tasks.workers import UserCalls
+
+    calls = UserCalls(cfg.user_code_timeout, cfg.env_isolation, cfg.env_timeout)
+    task = _task_from_config(cfg, calls)
+    give_user_calls(task, calls)
+    return task
+
+
+def give_user_calls(task: Any, calls: Any) -> None:
+    """Set `user_calls` on a task, the data task it plays (`data`) and a mixture's tasks."""
+    seen: set[int] = set()
+    todo = [task]
+    while todo:
+        t = todo.pop()
+        if t is None or id(t) in seen:
+            continue
+        seen.add(id(t))
+        try:
+            t.user_calls = calls
+        except AttributeError:  # a class with __slots__ or a read-only attribute: it keeps the defaults
+            pass
+        parts = getattr(t, "tasks", None)  # a mixture's {name: task}
+        todo += [getattr(t, "data", None), *(parts.values() if isinstance(parts, dict) else ())]
+
+
+def _task_from_config(cfg, calls: Any) -> Task:
     if cfg.task == "dataset" or (cfg.dataset and is_library_task(cfg.task)):
         system = cfg.system_prompt.strip()
         system = None if system == "auto" else "" if system.lower() in ("", "none") else cfg.system_prompt
@@ -75,20 +107,20 @@ def task_from_config(cfg) -> Task:
                        reward_weights=[float(w) for w in cfg.reward_weights], time_limit=cfg.grade_time_limit,
                        workers=cfg.grade_workers)
         if cfg.environment_factory:
-            return factory_environment(cfg, options)
+            return factory_environment(cfg, options, calls)
         if cfg.task != "dataset":  # a library environment on the dataset's rows (skyrl_gym:ENV)
             data = construct("dataset", DatasetTask, dict(seed=cfg.seed) | options | {
                 "needs_answer": False, "system_prompt": options["system_prompt"] or ""})
             return library_task(cfg.task, cfg.seed, {"data": data} | dict(cfg.task_args))
         return construct("dataset", DatasetTask, dict(seed=cfg.seed) | options | dict(cfg.task_args))
     return make_task(cfg.task, seed=cfg.seed, math_data=cfg.math_data, prompts=cfg.prompts, task_args=cfg.task_args,
-                     reward=cfg.math_reward, time_limit=cfg.grade_time_limit, workers=cfg.grade_workers)
+                     calls=calls, reward=cfg.math_reward, time_limit=cfg.grade_time_limit, workers=cfg.grade_workers)
 
 
-def factory_environment(cfg, options: dict[str, Any]) -> Environment:
+def factory_environment(cfg, options: dict[str, Any], calls: Any = None) -> Environment:
     """A TRL environment_factory class on the dataset's rows (tasks/tools.py); its rows keep their fields for
     reset(**row); the grader's gold answers and system prompt only when nothing else scores (reward_funcs, or
-    the class's get_reward)."""
+    the class's get_reward). `calls` bound its calls into the class (the instance built at start-up too)."""
     from llmrl.tasks.custom import load_object
     from llmrl.tasks.tools import FactoryEnvironment
 
@@ -106,7 +138,8 @@ def factory_environment(cfg, options: dict[str, Any]) -> Environment:
         raise ConfigError(f"environment_factory={cfg.environment_factory!r}: nothing scores an episode: give "
                           f"--reward_funcs, a get_reward method, or a dataset answer column for the grader ({e})") from None
     return construct(cfg.environment_factory, FactoryEnvironment,
-                     dict(factory=factory, data=data, spec=cfg.environment_factory, seed=cfg.seed) | dict(cfg.task_args))
+                     dict(factory=factory, data=data, spec=cfg.environment_factory, seed=cfg.seed, user_calls=calls)
+                     | dict(cfg.task_args))
 
 
 def is_task_name(name: str) -> bool:
@@ -125,13 +158,21 @@ def is_single_task_name(name: str) -> bool:
 
 
 def is_task_code(task: str) -> bool:
-    """A `file.py:Name` or `module:Name` spec that is not a registered name (or a mixture holding one):
-    loading it runs code."""
+    """A `file.py:Name` or `module:Name` spec that is not a registered name, or a library task naming a server's URL
+    (`openenv:http://HOST:PORT`), or a mixture holding one: loading it runs code, or contacts a host that then
+    chooses the rewards."""
     parts = mixture_parts(task, is_single_task_name)
     if parts is not None:
         return any(is_task_code(p) for p in parts)
+    if is_library_task(task):
+        return names_server(task)
     module, sep, _ = task.rpartition(":")
-    return bool(sep and module) and task not in TASKS and task not in REWARD_FUNCTIONS and not is_library_task(task)
+    return bool(sep and module) and task not in TASKS and task not in REWARD_FUNCTIONS
+
+
+def names_server(task: str) -> bool:
+    """A library task whose name is a URL (openenv:URL): llmrl would contact that host."""
+    return is_library_task(task) and "://" in task.partition(":")[2]
 
 
 def code_specs(task: str, reward_funcs: list[str] | tuple[str, ...] = (), environment_factory: str | None = None) -> list[str]:
@@ -147,8 +188,10 @@ def config_code(cfg) -> list[str]:
 def resume_command(cfg, run_dir: Path | str) -> str:
     """The command a stop line tells the user to resume with (with --trust_task_code when the config names code:
     the run is the user's own)."""
+    from llmrl.config import launch_flags
+
     runs_code = config_code(cfg)
-    return f"llmrl train --resume {run_dir}" + (" --trust_task_code" if runs_code else "")
+    return f"llmrl train --resume {run_dir}" + launch_flags() + (" --trust_task_code" if runs_code else "")
 
 
 def check_task_code(cfg, run_dir: Path | str, trusted: bool) -> None:
@@ -162,12 +205,18 @@ def check_task_code(cfg, run_dir: Path | str, trusted: bool) -> None:
     unpickled into code; JSON trainer state), the `prompts` file, `math_data` and `dataset` (rows) are only
     read, and the base model is loaded without `trust_remote_code`. Code is a `task` that is not a registered
     name, and each of `reward_funcs`: `file.py:Name` executes that file and `package.module:Name` imports that
-    module, then constructs the class or calls the function on every completion. `llmrl train --config FILE`
+    module, then constructs the class or calls the function on every completion; a library task naming a URL
+    (`openenv:http://HOST:PORT`) is treated the same way: llmrl would contact that host, and its answers become the
+    rewards. `llmrl train --config FILE`
     runs the code its own config names (the user chose that file); a run directory someone hands you does not
     run code without --trust_task_code, as a Hugging Face model does not without trust_remote_code."""
     code = config_code(cfg)
     if trusted or not code:
         return
+    parts = mixture_parts(cfg.task, is_single_task_name) or [cfg.task]
+    if code[0] == cfg.task and all(names_server(p) or not is_task_code(p) for p in parts):
+        raise UserError(f"run dir {run_dir} names task {code[0]!r} (a server it would contact, which then chooses the "
+                        "rewards); pass --trust_task_code to contact it, or name it again with --task")
     kind = "a file" if code[0].rpartition(":")[0].endswith(".py") else "a module"
     what, option = (("task code", "--task") if code[0] == cfg.task else
                     ("environment_factory", "--environment_factory") if code[0] == getattr(cfg, "environment_factory", None)

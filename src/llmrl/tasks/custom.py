@@ -9,10 +9,18 @@ In Python, `register_reward("name", fn, prompts="prompts.jsonl")` (or the decora
 function task to the registry so `--task name` finds it. A prompts file has one JSON object per line:
 `prompt` (the user message), optional `system`, and any other fields, which reach the reward as `meta`.
 Training samples prompts with the run's seed; eval uses the first eval_n prompts in file order.
+
+In a run (make_task given the run's UserCalls, as task_from_config does), each call into this code is bounded by
+user_code_timeout (tasks/workers.py): a reward function through UserCalls.call (BoundedFunction: a module-level
+function in a worker process, killed at the limit; anything else on a thread), a task or environment instance's
+methods on threads of the trainer (UserCode). make_task decides what is the user's: a class or function named by
+a spec, a registered reward function, an environment registered with register_env; llmrl's own tasks and the
+library adapters are called directly.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -20,12 +28,16 @@ import inspect
 import json
 import random
 import sys
+import threading
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from llmrl.errors import ConfigError, DataError
+from llmrl.errors import ConfigError, DataError, EngineDied
 from llmrl.tasks.base import Example, Reward, SeededSampling
+from llmrl.tasks.env import is_environment
+from llmrl.tasks.workers import CallTimeout, UserCalls, user_calls
 
 RewardFn = Callable[..., "float | None"]
 
@@ -132,6 +144,8 @@ class FunctionTask(SeededSampling):
         for ex, c in zip(examples, completions, strict=True):
             try:
                 scored += not self.reward(ex, c).counts
+            except EngineDied:  # too many overrunning calls still running: the run stops
+                raise
             except Exception:  # noqa: BLE001 - counted in eval/reward_errors by the scoring path
                 pass
         return {"scored": scored / max(len(examples), 1)}
@@ -151,17 +165,199 @@ def register_reward(name: str, fn: RewardFn | None = None, *, prompts: str):
     return add(fn) if fn is not None else add
 
 
-def build_custom(spec: str, seed: int, prompts: str | None, task_args: dict[str, Any] | None = None) -> Any:
+def build_custom(spec: str, seed: int, prompts: str | None, task_args: dict[str, Any] | None = None,
+                 calls: UserCalls | None = None) -> Any:
     """A task from `module:Name`/`file.py:Name` (class or function; a class gets `task_args` as keywords)
-    or a registered reward function."""
+    or a registered reward function: the user's code, bounded by `calls` when given (a run's: user_object,
+    user_function)."""
     obj = REWARD_FUNCTIONS[spec][0] if spec in REWARD_FUNCTIONS else load_object(spec)
     if inspect.isclass(obj):
-        return construct(spec, obj, {"seed": seed} | dict(task_args or {}))
+        return user_object(construct(spec, obj, {"seed": seed} | dict(task_args or {})), spec, calls)
     if task_args:
         raise ConfigError(f"task={spec!r} is a reward function: task_args go to a task class's constructor; "
                           "give a function its values through the prompts' fields (its **meta)")
     if spec in REWARD_FUNCTIONS:
-        return FunctionTask(obj, read_prompts(prompts or REWARD_FUNCTIONS[spec][1], spec), seed)
+        return FunctionTask(user_function(obj, spec, calls), read_prompts(prompts or REWARD_FUNCTIONS[spec][1], spec),
+                            seed)
     if callable(obj):
-        return FunctionTask(obj, read_prompts(prompts, spec), seed)
+        return FunctionTask(user_function(obj, spec, calls), read_prompts(prompts, spec), seed)
     raise ConfigError(f"task={spec!r}: {type(obj).__name__} is neither a task class nor a reward function")
+
+
+# ----------------------------------------------------------------------------- the user's code in a run
+
+
+def user_object(obj: Any, spec: str, calls: UserCalls | None) -> Any:
+    """A user's task or environment instance as a run holds it: `calls` None (make_task outside a run): itself;
+    else UserCode, its calls bounded by `calls`."""
+    return obj if calls is None else UserCode(obj, spec, calls)
+
+
+def user_function(fn: Callable, spec: str, calls: UserCalls | None) -> Callable:
+    """A user's reward function as a FunctionTask calls it: `calls` None: itself; else BoundedFunction."""
+    return fn if calls is None else BoundedFunction(fn, f"reward function {spec}", calls)
+
+
+class UserCodeOverran(EngineDied):
+    """A call into a user's task or environment overran user_code_timeout where nothing can stand in for what it
+    returns (the prompts it draws, an eval verdict): the loop saves the last step learned and stops in one line."""
+
+
+class Overruns:
+    """Calls that overran, by the identity of their arguments (the last 1024): the same call again (scoring asks one
+    completion at a time after a batch's call fails; a task's evaluate scores again what was scored) raises the same
+    CallTimeout at once instead of costing another limit."""
+
+    def __init__(self) -> None:
+        self.seen: deque[tuple[tuple, str]] = deque(maxlen=1024)
+
+    def add(self, args: tuple, why: str) -> None:
+        self.seen.append((args, why))
+
+    def check(self, args: tuple) -> None:
+        for seen, why in self.seen:
+            if len(seen) == len(args) and all(a is b for a, b in zip(seen, args)):
+                raise CallTimeout(why)
+
+
+SIGNAL_REFUSED = "signal only works in main thread"  # what Python's signal module raises on another thread
+
+
+def signal_refused(e: BaseException | None) -> bool:
+    """`e`, or an exception it was raised from, is the signal module's refusal to set a handler off the main thread."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, ValueError) and SIGNAL_REFUSED in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+class MainThreadOnly:
+    """The calls that set signal handlers (math-verify's parse and verify do, for their own timeouts), which Python
+    allows on the main thread only: on a thread they raise ValueError, so such a call is made again on the calling
+    thread (when that is the main thread), and that call's later ones stay there, without user_code_timeout (one
+    warning line says so)."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def refused(self, name: str, what: str, e: BaseException) -> bool:
+        """True when `e` (or what it was raised from) is the signal module's refusal and the caller is the main
+        thread: `name` runs there from now on."""
+        if threading.current_thread() is not threading.main_thread() or not signal_refused(e):
+            return False
+        self.names.add(name)
+        print(f"llmrl: warning: {what} sets signal handlers (math-verify's timeouts do), which only the main thread "
+              "may: it runs there from now on, without user_code_timeout (math-verify: pass parsing_timeout=None and "
+              "timeout_seconds=None to keep the limit)", file=sys.stderr)
+        return True
+
+
+class BoundedFunction:
+    """A user's plain reward function, each call through `calls.call` (tasks/workers.py: a module-level function in
+    a worker process, killed at user_code_timeout; anything else on a thread, abandoned there): an overrun raises
+    CallTimeout, which scoring counts (the completion scores 0: reward/errors, reward/timeouts)."""
+
+    def __init__(self, fn: Callable, what: str, calls: UserCalls) -> None:
+        self.fn, self.what, self.calls, self.overruns = fn, what, calls, Overruns()
+        self.main_only = MainThreadOnly()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.overruns.check(args)
+        if self.main_only.names:
+            return self.fn(*args, **kwargs)
+        try:
+            return self.calls.call(self.what, self.fn, *args, **kwargs)
+        except CallTimeout as e:
+            self.overruns.add(args, str(e))
+            raise
+        except Exception as e:
+            if not self.main_only.refused("call", self.what, e):
+                raise
+        return self.fn(*args, **kwargs)
+
+
+COUNTED = ("reward", "reward_batch", "reset", "start", "evaluate")  # an overrun raises CallTimeout, which is counted
+STOPPING = ("sample_train_batch", "eval_examples", "judge", "correct")  # an overrun stops the run (UserCodeOverran)
+
+
+class UserCode:
+    """A user's task or environment instance (a class named by `--task file.py:Name` or `module:Name`, or registered
+    with register_env) as a run holds it: what llmrl reads on it is the instance's, and these calls run on a daemon
+    thread of the trainer within user_code_timeout (UserCalls.here: abandoned at the limit; more than 4 still
+    running stop the run in one line, UserCodeStuck). An overrun of
+
+        reward, reward_batch    raises CallTimeout: the completion or episode scores 0, counted in reward/errors and
+                                reward/timeouts (tasks/score.py; a batch's completions are not asked again one by one)
+        reset, start            raises CallTimeout: the group's (the episode's) episodes end before their first reply,
+                                counted in rollout/env_errors and rollout/env_timeouts (rollout/episodes.py)
+        evaluate                raises CallTimeout: the eval says so in one warning line and logs eval/reward
+        sample_train_batch, eval_examples, judge, correct
+                                stops the run (UserCodeOverran: the last step learned is saved, one line)
+
+    step has its own limit (env_timeout; tasks/workers.py), and a step worker process gets the instance itself
+    (pickling this pickles the instance); finish_episodes bounds `finish` (tasks/env.py). Attributes set on this are
+    set on the instance, except `user_calls` (task_from_config's)."""
+
+    def __init__(self, inner: Any, spec: str, calls: UserCalls) -> None:
+        object.__setattr__(self, "_user_inner", inner)
+        object.__setattr__(self, "_user_what", f"{'environment' if is_environment(inner) else 'task'} {spec}")
+        object.__setattr__(self, "_user_overruns", Overruns())  # reward calls that overran
+        object.__setattr__(self, "_user_main_only", MainThreadOnly())  # methods that set signal handlers
+        object.__setattr__(self, "user_calls", calls)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_user_"):  # not set yet (a copy being built)
+            raise AttributeError(name)
+        value = getattr(self._user_inner, name)
+        if (name in COUNTED or name in STOPPING) and callable(value):
+            return functools.partial(self._user_call, name, value)
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "user_calls":
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._user_inner, name, value)
+
+    def __reduce__(self) -> tuple:
+        return _itself, (self._user_inner,)
+
+    def __repr__(self) -> str:
+        return repr(self._user_inner)
+
+    @property
+    def worker_classes(self) -> list[type]:
+        """The classes a step worker process imports (tasks/workers.py): the instance's and those it names."""
+        return [type(self._user_inner), *getattr(self._user_inner, "worker_classes", ())]
+
+    def _user_call(self, name: str, method: Callable, *args: Any, **kwargs: Any) -> Any:
+        what = f"{self._user_what}: {name}"
+        if name == "reward":
+            self._user_overruns.check(args)
+        if name in self._user_main_only.names:
+            return method(*args, **kwargs)
+        calls = user_calls(self)
+        try:
+            return calls.here(what, method, *args, **kwargs)
+        except CallTimeout as e:
+            if name in STOPPING:
+                raise UserCodeOverran(f"{what} did not return within user_code_timeout={calls.timeout:g} s (abandoned "
+                                      "on its thread) and nothing can stand in for what it returns: fix it, or raise "
+                                      "user_code_timeout") from None
+            if name == "reward":
+                self._user_overruns.add(args, str(e))
+            elif name == "reward_batch" and len(args) >= 2:
+                for pair in zip(args[0], args[1]):
+                    self._user_overruns.add(pair, str(e))
+            raise
+        except Exception as e:
+            if not self._user_main_only.refused(name, what, e):
+                raise
+        return method(*args, **kwargs)
+
+
+def _itself(obj: Any) -> Any:
+    return obj

@@ -24,7 +24,11 @@ each weighted by `reward_weights`, default 1), the functions score instead of th
 once per batch with the prompts and completions as TRL passes them (text, or message lists when the prompt
 field holds messages) and every other column as a keyword list. Each function's values are logged as
 reward/<its name> (unweighted), the total is their weighted sum; a None is "unscored": it adds nothing to
-the total and is counted in reward/unscored.
+the total and is counted in reward/unscored. Each call is bounded by user_code_timeout (a module-level function
+runs in a worker process, killed at the limit; tasks/workers.py: UserCalls): one that overruns scores its
+batch's completions 0, each counted in reward/errors (it is not asked again one completion at a time, as after a
+raise). A column named `prompts` or `completions` would clash with
+those keywords: it is refused at load.
 
 Eval: `eval_split` when given, else `eval_holdout` rows held out of the training split by the run's seed
 (the data report says which).
@@ -44,6 +48,7 @@ from llmrl import grading
 from llmrl.errors import ConfigError, DataError
 from llmrl.tasks import seed_parsing
 from llmrl.tasks.base import Example, Judgement, Reward, SeededSampling, mean_of
+from llmrl.tasks.workers import CallTimeout, check_stuck, user_calls
 
 GRADERS = ("math", "number", "exact")
 PROMPT_FIELDS = ("prompt", "question", "problem", "input", "query")
@@ -54,6 +59,7 @@ SYSTEM_PROMPTS = {
     "exact": "Answer the question. Put the final answer in \\boxed{}.",
 }
 GSM8K_MARK = re.compile(r"####\s*(.*?)\s*$", re.DOTALL)
+FUNCTION_KEYWORDS = ("prompts", "completions")  # what a TRL reward function gets beside the columns
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -73,6 +79,11 @@ def gold_answer(value: Any) -> str | None:
 def gold_number(gold: str) -> float | None:
     """A gold answer as a number ("1,234" → 1234.0, "3/4" → 0.75), or None."""
     return seed_parsing.parse_number(gold.replace(",", ""))
+
+
+def gold_of(row: dict[str, Any]) -> str:
+    """A usable row's gold answer (read by gold_answer when the row was loaded)."""
+    return row["_gold"]
 
 
 def completion_number(completion: str) -> float | None:
@@ -96,7 +107,8 @@ def same_words(a: str, b: str) -> bool:
 
 def load_rows(source: str, config: str | None, split: str) -> list[dict[str, Any]]:
     """The rows of one split: from a local file (every row; JSONL, JSON, Parquet, CSV), a local directory
-    (its files as `datasets` maps them to splits) or a hub dataset. One DataError line when it cannot."""
+    (its files as `datasets` maps them to splits) or a hub dataset. One DataError line when it cannot. A local file
+    must not be empty; a JSON/CSV column of mixed types is read as written (read_text_rows: mixed scalars as text)."""
     from datasets import load_dataset
 
     path = Path(source)
@@ -110,7 +122,17 @@ def load_rows(source: str, config: str | None, split: str) -> list[dict[str, Any
             if builder is None:
                 raise DataError(f"dataset '{source}': unknown file type {path.suffix!r} (use "
                                 f"{', '.join(LOCAL_BUILDERS)})")
-            rows = load_dataset(builder, data_files=str(path), split="train")
+            check_not_empty(path, source)
+            try:
+                rows = load_dataset(builder, data_files=str(path), split="train")
+            except Exception:  # noqa: BLE001 - e.g. mixed types (datasets < 5), a CSV column typed by its first block
+                if builder == "parquet":
+                    raise
+                return read_text_rows(path, builder, source)  # what is wrong, or the rows
+            if any("Json(" in repr(feature) for feature in rows.features.values()):
+                # datasets >= 5 holds a column of mixed types as JSON and decodes each value again on the way out:
+                # the text "007" came back as 7, "true" as True, "[1]" as a list
+                return read_text_rows(path, builder, source)
         else:
             rows = load_dataset(source, config, split=split)
         return [dict(r) for r in rows]
@@ -124,6 +146,115 @@ def load_rows(source: str, config: str | None, split: str) -> list[dict[str, Any
     finally:
         for log, level in zip(quiet, levels):
             log.setLevel(level)
+
+
+def check_not_empty(path: Path, source: str) -> None:
+    """One DataError line for a data file of 0 bytes or (a text format) nothing but whitespace."""
+    if path.stat().st_size == 0:
+        raise DataError(f"dataset '{source}': the file is empty (0 bytes)")
+    if path.suffix.lower() == ".parquet":
+        return
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            if chunk.strip():
+                return
+    raise DataError(f"dataset '{source}': the file holds nothing but whitespace")
+
+
+def read_text_rows(path: Path, builder: str, source: str) -> list[dict[str, Any]]:
+    """The rows of a JSON/JSONL (`builder` json) or CSV file that `datasets` cannot type, read as written: a column of
+    mixed scalar types (9 in one row, "nine" in another) becomes text (9 -> "9", true -> "true"); one whose values are
+    all numbers stays numbers (ints as floats beside floats, as `datasets` reads them). One DataError line for what
+    cannot be read: a line that is not JSON, a row that is not an object, a column that mixes lists or objects with
+    other values, a CSV row of the wrong width."""
+    rows = _json_rows(path, source) if builder == "json" else _csv_rows(path, source)
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    table = {c: [row.get(c) for row in rows] for c in columns}
+    for c in columns:
+        table[c] = _one_type(table[c], c, source)
+    return [{c: table[c][i] for c in columns} for i in range(len(rows))]
+
+
+def _json_rows(path: Path, source: str) -> list[dict[str, Any]]:
+    import json
+
+    text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        whole = json.loads(text)
+    except ValueError:  # JSON Lines
+        rows = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except ValueError as e:
+                raise DataError(f"dataset '{source}': line {n} is not JSON ({e.msg})") from None
+    else:
+        rows = whole if isinstance(whole, list) else [whole]
+        if isinstance(whole, dict) and whole and all(isinstance(v, list) for v in whole.values()):
+            lengths = {len(v) for v in whole.values()}  # one object of columns
+            if len(lengths) != 1:
+                raise DataError(f"dataset '{source}': its columns have different lengths ({sorted(lengths)})")
+            rows = [dict(zip(whole, values)) for values in zip(*whole.values())]
+    for n, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise DataError(f"dataset '{source}': row {n} is {_kind(row)}, not an object of columns")
+    return rows
+
+
+def _csv_rows(path: Path, source: str) -> list[dict[str, Any]]:
+    import csv
+
+    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if not header:
+            raise DataError(f"dataset '{source}': no header line")
+        rows = []
+        for n, fields in enumerate(reader, 2):
+            if not fields:
+                continue
+            if len(fields) != len(header):
+                raise DataError(f"dataset '{source}': line {n} has {len(fields)} fields, the header {len(header)}")
+            rows.append(dict(zip(header, fields)))
+    table = {c: [row[c] for row in rows] for c in header}
+    for c, values in table.items():  # a column of numbers is numbers (empty: None), as datasets reads a CSV
+        for kind in (int, float):
+            try:
+                numbers = [kind(v) if v.strip() else None for v in values]
+            except ValueError:
+                continue
+            if any(v is not None for v in numbers):
+                table[c] = numbers
+                break
+    return [{c: table[c][i] for c in header} for i in range(len(rows))]
+
+
+def _kind(value: Any) -> str:
+    return {bool: "a boolean", int: "a number", float: "a number", str: "text", list: "a list",
+            dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def _one_type(values: list[Any], column: str, source: str) -> list[Any]:
+    """A column's values with one type: mixed scalars as text, ints as floats beside floats; lists or objects mixed
+    with anything else: one DataError line naming the first row of each kind."""
+    import json
+
+    first: dict[str, int] = {}
+    for n, v in enumerate(values, 1):
+        if v is not None:
+            first.setdefault(_kind(v), n)
+    containers = [k for k in first if k in ("a list", "an object")]
+    if containers and len(first) > 1:
+        kinds = ", ".join(f"{k} in row {n}" for k, n in first.items())
+        raise DataError(f"dataset '{source}': column {column!r} mixes {kinds}; give it the same kind of value in "
+                        "every row")
+    if len(first) <= 1 or containers:
+        if first.keys() == {"a number"} and any(isinstance(v, float) for v in values):
+            return [None if v is None else float(v) for v in values]
+        return values
+    return [v if v is None or isinstance(v, str) else json.dumps(v) for v in values]  # mixed scalars: as text
 
 
 def pick_field(rows: list[dict[str, Any]], given: str | None, candidates: tuple[str, ...], what: str,
@@ -207,6 +338,20 @@ class DatasetTask(SeededSampling):
         if not self.train_rows or not self.eval_rows:
             raise DataError(f"dataset '{source}': {len(self.train_rows)} training and {len(self.eval_rows)} eval rows "
                             f"usable ({report}); each needs at least one")
+        self.refuse_columns(FUNCTION_KEYWORDS, f"dataset '{source}'")
+        self._overran: tuple[str, list[tuple[Example, Any]], str] | None = None  # the last reward call that overran
+
+    def refuse_columns(self, keywords: tuple[str, ...], where: str) -> None:
+        """With reward functions, one DataError line for a column named like a keyword they get beside the columns
+        (prompts=, completions=; an environment_factory's environments=): every call would fail on the clash.
+        Refused rather than renamed, so that a function reading that column never gets something else."""
+        if not self.funcs:
+            return
+        columns = dict.fromkeys(k for rows in (self.train_rows, self.eval_rows) for k in (rows[0] if rows else {}))
+        clash = [k for k in keywords if k in columns]
+        if clash:
+            raise DataError(f"{where}: a column is named {clash[0]!r}, the keyword a reward function gets its "
+                            f"{clash[0]} by (TRL's signature: f(prompts, completions, **columns)); rename the column")
 
     def usable(self, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The rows with a prompt and, for a grader, a gold answer it can read: (kept, {kept, dropped: reasons})."""
@@ -225,11 +370,19 @@ class DatasetTask(SeededSampling):
                     continue
             kept.append(row | {"_gold": gold})
             golds.append(gold)
-        if self.grader == "math" and self.needs_answer and kept:  # math-verify must read the gold (in the pool)
-            ok = grading.gold_parses([r["_gold"] for r in kept], time_limit=self.time_limit, workers=self.workers)
+        if self.reads_golds and kept:  # math-verify must read the gold: here only what needs no math-verify
+            ok = [grading.gold_readable_here(r["_gold"]) is not False for r in kept]  # the rest when drawn
             dropped["gold math-verify cannot read"] = sum(not x for x in ok)
             kept = [r for r, x in zip(kept, ok) if x]
-        return kept, {"kept": len(kept), "dropped": {k: v for k, v in dropped.items() if v}}
+        report = {"kept": len(kept), "dropped": {k: v for k, v in dropped.items() if v}}
+        return kept, report | ({"math_verify_reads_golds": "when drawn"} if self.reads_golds else {})
+
+    @property
+    def reads_golds(self) -> bool:
+        """Whether math-verify must read each row's gold before the row is used: the math grader's rows are drawn and
+        taken for eval only where it can (grading.draw_readable, first_readable: each gold read when its row is
+        first drawn, not the whole pool at start)."""
+        return self.grader == "math" and self.needs_answer
 
     def unreadable(self, gold: str | None) -> str | None:
         """Why the grader cannot use this gold answer (None: it can)."""
@@ -258,9 +411,18 @@ class DatasetTask(SeededSampling):
                        meta={k: v for k, v in row.items() if k != "_gold"})
 
     def sample_train_batch(self, n: int) -> list[Example]:
+        check_stuck()  # too many overrunning reward calls still running on threads: the run stops here, in one line
+        if self.reads_golds:
+            return [self.example(r) for r in grading.draw_readable(
+                self.train_rows, n, self.rng, gold_of, what=f"dataset '{self.data_report['source']}'",
+                time_limit=self.time_limit, workers=self.workers)]
         return [self.example(self.train_rows[self.rng.randrange(len(self.train_rows))]) for _ in range(n)]
 
     def eval_examples(self, n: int) -> list[Example]:
+        check_stuck()
+        if self.reads_golds:
+            return [self.example(r) for r in grading.first_readable(self.eval_rows, n, gold_of, time_limit=self.time_limit,
+                                                                    workers=self.workers)]
         return [self.example(r) for r in self.eval_rows[:n]]
 
     # ------------------------------------------------------------------ scoring
@@ -309,7 +471,8 @@ class DatasetTask(SeededSampling):
         columns |= extra
         rewards = [Reward(total=0.0, components={}, counts={"unscored": 0}) for _ in examples]
         for name, fn, weight in self.funcs:
-            values = fn(prompts=prompts, completions=shown, **columns)
+            values = self.call_function(name, fn, list(zip(examples, completions)), {"prompts": prompts,
+                                                                                     "completions": shown, **columns})
             if values is None or len(values) != len(examples):
                 raise ValueError(f"reward function {name} returned {None if values is None else len(values)} values "
                                  f"for {len(examples)} completions")
@@ -321,6 +484,21 @@ class DatasetTask(SeededSampling):
                 r.components[name] = v
                 r.total += weight * v
         return rewards
+
+    def call_function(self, name: str, fn: Any, items: list[tuple[Example, Any]], kwargs: dict[str, Any]) -> Any:
+        """One reward function's call on a batch, bounded by user_code_timeout (tasks/workers.py: UserCalls: killed
+        in a worker process, or abandoned on a thread). An overrun raises CallTimeout: scoring counts the batch's
+        completions as reward errors (each scores 0) and asks again one completion at a time; those of the batch
+        that overran get the same CallTimeout at once, without another call (a function that hangs costs one limit
+        per batch, not one per completion)."""
+        if self._overran is not None and self._overran[0] == name and all(
+                any(ex is e and c == seen for e, seen in self._overran[1]) for ex, c in items):
+            raise CallTimeout(self._overran[2])
+        try:
+            return user_calls(self).call(f"reward function {name}", fn, **kwargs)
+        except CallTimeout as e:
+            self._overran = (name, items, str(e))
+            raise
 
     def judge(self, examples: list[Example], completions: list[str]) -> list[Judgement] | None:
         """Sampled eval's verdicts (pass@k, maj@k); reward functions say nothing about correctness."""

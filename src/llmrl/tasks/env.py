@@ -16,7 +16,10 @@ environment's: it sees texts only.
 on a copy of the environment, with the episode sent along; what comes back is the Turn and
 `episode.state`, so a step keeps what it learns there (not on `self`, not elsewhere on the episode). A
 step that raises, overruns env_timeout or returns anything but a Turn of messages ends its episode with
-reward 0 (counted), as does a `reset` that does not return messages.
+reward 0 (counted), as does a `reset` that does not return messages. Calls into user code that run in the
+trainer (a TRL reward function, an environment_factory's reset and get_reward, `finish`, an OpenEnv reset, a user's
+environment's reset, start, reward, evaluate and correct: tasks/custom.py UserCode) are bounded by
+user_code_timeout the same way (tasks/workers.py: UserCalls).
 
 Every call the trainer makes into an environment or task (reset, start, step on threads, reward,
 finish, evaluate, sample_train_batch) keeps Python's, NumPy's and torch's global RNG states (rng.py):
@@ -193,16 +196,25 @@ def prompt_text(example: Example, episode: Episode | None = None) -> str:
 
 
 def finish_episodes(env: Any, episodes: list[Episode], where: str) -> None:
-    """env.finish(episode) for each episode (environments without a `finish` skip it), with the global RNGs kept;
-    one warning line for those that raised (the run goes on: a cleanup's failure loses no result)."""
+    """env.finish(episode) for each episode (environments without a `finish` skip it), with the global RNGs kept,
+    each on a thread of the trainer within user_code_timeout (tasks/workers.py: UserCalls.here; an overrunning
+    finish is abandoned, like a raise); one warning line for those that raised or overran (the run goes on: a
+    cleanup's failure loses no result), unless too many overrunning calls are still running (UserCodeStuck: the
+    run stops in one line). An environment without a finish of its own (Environment's does nothing: llmrl's calculator
+    and guess) has nothing to call."""
+    from llmrl.tasks.workers import UserCodeStuck, user_calls
+
     finish = getattr(env, "finish", None)
-    if finish is None:
+    if finish is None or getattr(finish, "__func__", None) is Environment.finish:
         return
+    calls = user_calls(env)
     failed: list[str] = []
     for ep in episodes:
         try:
             with kept_rng_state():
-                finish(ep)
+                calls.here("the environment's finish", finish, ep)
+        except UserCodeStuck:
+            raise
         except Exception as e:  # noqa: BLE001 - a user's cleanup may raise anything
             failed.append(f"{type(e).__name__}: {e}")
     if failed:

@@ -28,15 +28,18 @@ from __future__ import annotations
 
 import importlib
 import random
+import threading
 from typing import Any
 
 from llmrl.errors import ConfigError, DataError
 from llmrl.tasks.base import Example, Judgement, Reward, SeededSampling, mean_of
 from llmrl.tasks.env import Environment, Episode, Instances, OnRows, Turn
+from llmrl.tasks.workers import Pending, check_stuck, user_calls
 
 EXTRAS = {"reasoning_gym": "reasoning-gym", "textarena": "textarena", "skyrl_gym": "skyrl-gym", "openenv": "openenv",
           "verifiers": "verifiers"}  # the library's module → its llmrl extra
 EVAL_SEED_OFFSET = 1_000_003
+PREFETCH = 64  # OpenEnv: sessions a reset opens at once, for the examples after it in the batch
 
 
 def import_library(module: str):
@@ -172,9 +175,11 @@ class SeededGames(SeededSampling):
         return Example(messages=[], answer=None, meta={"game_seed": game_seed})
 
     def sample_train_batch(self, n: int) -> list[Example]:
+        check_stuck()  # too many overrunning calls into user code still running: the run stops here, in one line
         return [self.example(self.rng.randrange(2**31)) for _ in range(n)]
 
     def eval_examples(self, n: int) -> list[Example]:
+        check_stuck()
         stream = random.Random(self.seed + EVAL_SEED_OFFSET)
         return [self.example(stream.randrange(2**31)) for _ in range(n)]
 
@@ -238,18 +243,23 @@ class TextArenaEnv(SeededGames, Environment):
         kind = self.ta.ObservationType.PLAYER_ACTION
         return "\n".join(message for _, message, what in observations or [] if what != kind).strip()
 
+    def fresh_game(self, game_seed: int) -> tuple[Any, str]:
+        """(a new game reset with the seed, its first observation's text), on a thread of the trainer within
+        user_code_timeout (tasks/workers.py: UserCalls.here: an overrun is abandoned and counted)."""
+        def make() -> tuple[Any, str]:
+            game = self.new_game(game_seed)
+            return game, self.observation_text(game)
+
+        return user_calls(self).here(f"textarena {self.game_id}: a game's reset", make)
+
     def reset(self, example: Example) -> list[dict[str, str]]:
-        game = self.new_game(example.meta["game_seed"])
+        game, text = self.fresh_game(example.meta["game_seed"])
         self.instances.keep(example, game)
-        return [{"role": "user", "content": self.observation_text(game)}]
+        return [{"role": "user", "content": text}]
 
     def start(self, episode: Episode) -> None:
-        def new() -> Any:
-            game = self.new_game(episode.example.meta["game_seed"])
-            self.observation_text(game)  # the prompt, already shown
-            return game
-
-        episode.state = {"game": self.instances.take(episode.example, new)}
+        seed = episode.example.meta["game_seed"]
+        episode.state = {"game": self.instances.take(episode.example, lambda: self.fresh_game(seed)[0])}
 
     def step(self, episode: Episode, reply: str) -> Turn:
         import numpy as np
@@ -318,19 +328,23 @@ class SkyRLGymEnv(OnRows, Environment):
         return skyrl_gym.make(row.get("env_class") or self.env_class, env_config=OmegaConf.create(self.env_config),
                               extras=row)
 
+    def fresh_env(self, example: Example) -> tuple[Any, list[dict[str, str]]]:
+        """(a new environment for the example's row, the first messages its init gives), on a thread of the trainer
+        within user_code_timeout (tasks/workers.py: UserCalls.here: an overrun is abandoned and counted)."""
+        def make() -> tuple[Any, list[dict[str, str]]]:
+            env = self.new_env(example)
+            messages, _ = env.init([dict(m) for m in example.messages])
+            return env, messages
+
+        return user_calls(self).here(f"skyrl_gym {self.env_class}: an environment's init", make)
+
     def reset(self, example: Example) -> list[dict[str, str]]:
-        env = self.new_env(example)
-        messages, _ = env.init([dict(m) for m in example.messages])
+        env, messages = self.fresh_env(example)
         self.instances.keep(example, env)
         return [dict(m) for m in messages]
 
     def start(self, episode: Episode) -> None:
-        def new() -> Any:
-            env = self.new_env(episode.example)
-            env.init([dict(m) for m in episode.example.messages])
-            return env
-
-        episode.state = self.instances.take(episode.example, new)
+        episode.state = self.instances.take(episode.example, lambda: self.fresh_env(episode.example)[0])
 
     def step(self, episode: Episode, reply: str) -> Turn:
         out = episode.state.step(reply)
@@ -362,7 +376,16 @@ class OpenEnvEnv(SeededGames, Environment):
     too. Examples are seeds, as for TextArena (eval: a separate stream). A session is a live connection, so
     steps run on threads of the trainer whatever env_isolation says (the server is the process that holds
     the game; env_timeout still bounds a step). task_args: action_field ("message"), observation_field,
-    system_prompt, max_turns, message_timeout (seconds).
+    system_prompt, max_turns, message_timeout (seconds the client waits for one message: a positive, finite
+    number).
+
+    Sessions open concurrently, each on a thread and bounded by user_code_timeout (tasks/workers.py: UserCalls):
+    the first reset of a batch of examples (sample_train_batch, eval_examples) opens the sessions of that
+    example and of the next PREFETCH, and waits for its own; `start` opens each other episode's session at once,
+    and its first step waits for it (at most 0.8 × env_timeout). A session that does not open in time ends its
+    episodes like a raise (env_error, counted in rollout/env_errors and rollout/env_timeouts, reward 0); its
+    thread, which the client's own timeouts end, closes the client when it comes. Sessions opened for examples
+    never reset are closed at the next batch.
     """
 
     name = "openenv"
@@ -374,6 +397,10 @@ class OpenEnvEnv(SeededGames, Environment):
                  observation_field: str | None = None, system_prompt: str = "", max_turns: int | None = None,
                  message_timeout: float = 60.0) -> None:
         super().__init__(seed)
+        if (isinstance(message_timeout, bool) or not isinstance(message_timeout, (int, float))
+                or not 0 < message_timeout < float("inf")):
+            raise ConfigError(f"task openenv:{names.strip()}: task_args message_timeout={message_timeout!r}: must be a "
+                              "positive, finite number of seconds")
         import_library("openenv")
         self.url = names.strip()
         if not self.url.startswith(("http://", "https://", "ws://", "wss://")):
@@ -383,8 +410,38 @@ class OpenEnvEnv(SeededGames, Environment):
         self.max_turns = int(max_turns or self.max_turns)
         self.rng = random.Random(seed)
         self.instances = Instances()
+        self.lock = threading.Lock()
+        self.batch: list[Example] = []  # the examples last drawn: their resets open their sessions together
+        self.opened: set[int] = set()  # ids of those whose session was opened
+        self.opening: dict[int, tuple[Example, Pending]] = {}  # their sessions not yet taken by reset
         probe = self.session(0)  # a server that is not there is one line now, not an env_error per episode
         probe[0].close()
+
+    def sample_train_batch(self, n: int) -> list[Example]:
+        return self.expect(super().sample_train_batch(n))
+
+    def eval_examples(self, n: int) -> list[Example]:
+        return self.expect(super().eval_examples(n))
+
+    def expect(self, examples: list[Example]) -> list[Example]:
+        """Resets will ask for these examples next; the sessions opened for the last ones and not taken close."""
+        with self.lock:
+            stale, self.opening, self.batch, self.opened = list(self.opening.values()), {}, list(examples), set()
+        for _, pending in stale:
+            pending.abandon()
+        return examples
+
+    def open(self, game_seed: int) -> Pending:
+        """A session opening on a thread of its own (bounded by user_code_timeout; its client's own timeouts end it)."""
+        return user_calls(self).start(f"OpenEnv {self.url}: opening a session", self.session, game_seed,
+                                      late=lambda opened: opened[0].close(), counted=False)
+
+    def client(self, episode: Episode) -> Any:
+        """The episode's client, once its session has opened (a step waits at most 0.8 × env_timeout for it)."""
+        if isinstance(episode.state, Pending):
+            step_limit = user_calls(self).step_timeout
+            episode.state = episode.state.result(None if step_limit is None else 0.8 * step_limit)[0]
+        return episode.state
 
     def session(self, game_seed: int) -> tuple[Any, Any]:
         """(a connected client, its reset result)."""
@@ -410,16 +467,25 @@ class OpenEnvEnv(SeededGames, Environment):
         return json.dumps({k: v for k, v in observation.items() if k not in ("done", "reward", "metadata")})
 
     def reset(self, example: Example) -> list[dict[str, str]]:
-        client, first = self.session(example.meta["game_seed"])
+        with self.lock:
+            at = next((i for i, e in enumerate(self.batch) if e is example), None)
+            if at is not None and id(example) not in self.opened:  # this one and the next PREFETCH, together
+                for ex in self.batch[at: at + PREFETCH]:
+                    if id(ex) not in self.opened:
+                        self.opened.add(id(ex))
+                        self.opening[id(ex)] = (ex, self.open(ex.meta["game_seed"]))
+            taken = self.opening.pop(id(example), None)
+        pending = taken[1] if taken is not None else self.open(example.meta["game_seed"])
+        client, first = pending.result()
         self.instances.keep(example, client)
         return ([{"role": "system", "content": self.system}] if self.system else []) + [
             {"role": "user", "content": self.text(first.observation)}]
 
     def start(self, episode: Episode) -> None:
-        episode.state = self.instances.take(episode.example, lambda: self.session(episode.example.meta["game_seed"])[0])
+        episode.state = self.instances.take(episode.example, lambda: self.open(episode.example.meta["game_seed"]))
 
     def step(self, episode: Episode, reply: str) -> Turn:
-        result = episode.state.step({self.action_field: reply})
+        result = self.client(episode).step({self.action_field: reply})
         parts = {"reward": float(result.reward or 0.0)}
         if result.done:
             return Turn(None, parts)
@@ -431,7 +497,9 @@ class OpenEnvEnv(SeededGames, Environment):
 
     def finish(self, episode: Episode) -> None:
         for client in [episode.state, *self.instances.drop(episode.example)]:
-            if client is not None:
+            if isinstance(client, Pending):
+                client.abandon()  # closed when (if) it opens
+            elif client is not None:
                 client.close()
 
 

@@ -1,5 +1,8 @@
 """Scoring completions with a task's reward: the one path used by training and by eval, so a reward
-that raises or is not a finite number is handled the same way everywhere."""
+that raises or is not a finite number is handled the same way everywhere. A reward call into user code that
+overran user_code_timeout (CallTimeout: tasks/workers.py, tasks/custom.py) is such an error too, and its zero
+reward carries the count `timeouts` (logged as reward/timeouts); too many overrunning calls still running
+(UserCodeStuck) or one that nothing can stand in for (UserCodeOverran) stop the run."""
 
 from __future__ import annotations
 
@@ -7,16 +10,18 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from llmrl.errors import RunStopped
+from llmrl.errors import EngineDied, RunStopped
 from llmrl.rng import kept_rng_state
 from llmrl.tasks.base import Example, Reward, Task
 from llmrl.tasks.env import finish_episodes
+from llmrl.tasks.workers import CallTimeout
 
 
 @dataclass
 class Scores:
     rewards: list[Reward]  # one per completion, in order
-    errors: int  # completions whose reward raised or was not finite (they score 0)
+    errors: int  # completions whose reward raised, overran or was not finite (they score 0)
+    timeouts: int = 0  # of those, the ones whose reward call overran user_code_timeout
 
 
 def _number(value: Any) -> float | int:
@@ -28,7 +33,8 @@ def _number(value: Any) -> float | int:
 
 # reward/<name> keys llmrl logs itself, and the shaping terms it adds as components: a task's component or count
 # under one of these names would overwrite them in metrics.jsonl
-RESERVED = ("mean", "std", "min", "max", "errors", "overlong", "kl_penalty")
+TIMEOUTS = "timeouts"  # the count a zero reward carries when its call overran (reward/timeouts)
+RESERVED = ("mean", "std", "min", "max", "errors", TIMEOUTS, "overlong", "kl_penalty")
 
 
 class ReservedName(RunStopped):
@@ -70,26 +76,42 @@ def _score(task: Task, examples: list[Example], texts: list[str], *, strict: boo
             rewards = [_checked(r) for r in task.reward_batch(examples, texts)]
             if len(rewards) == len(texts):
                 return Scores(rewards, 0)
+        except EngineDied:  # user code that stops the run (too many overrunning calls still running)
+            raise
         except Exception:  # noqa: BLE001 - find which completion fails, one by one
             pass
-    rewards, errors = [], 0
+    tally = _Tally()
     for ex, text in zip(examples, texts, strict=True):
-        reward = _guarded(lambda: task.reward(ex, text), strict, f"{where}: the reward function")  # noqa: B023
-        errors += reward is None
-        rewards.append(reward or Reward(total=0.0, components={}))
-    return Scores(rewards, errors)
+        tally.add(lambda: task.reward(ex, text), strict, f"{where}: the reward function")  # noqa: B023
+    return tally.scores()
 
 
-def _guarded(compute, strict: bool, what: str) -> Reward | None:
-    """compute() checked finite, or None when it raised (with `strict`: RunStopped naming `what`)."""
-    try:
-        return _checked(compute())
-    except ReservedName:
-        raise
-    except Exception as e:  # noqa: BLE001 - a user's reward function or environment may raise anything
-        if strict:
-            raise RunStopped(f"{what} raised {type(e).__name__}: {e} (--strict_rewards); the last checkpoint is intact") from None
-        return None
+class _Tally:
+    """Rewards scored one at a time, and how many failed (raised, overran, not finite) and overran."""
+
+    def __init__(self) -> None:
+        self.rewards: list[Reward] = []
+        self.errors = self.timeouts = 0
+
+    def add(self, compute, strict: bool, what: str) -> None:
+        """compute() checked finite; when it raised, a zero reward, counted (with `strict`: RunStopped naming
+        `what`); a CallTimeout's zero reward carries the count `timeouts`."""
+        try:
+            self.rewards.append(_checked(compute()))
+            return
+        except (ReservedName, EngineDied):
+            raise
+        except Exception as e:  # noqa: BLE001 - a user's reward function or environment may raise anything
+            if strict:
+                did = f"overran: {e}" if isinstance(e, CallTimeout) else f"raised {type(e).__name__}: {e}"
+                raise RunStopped(f"{what} {did} (--strict_rewards); the last checkpoint is intact") from None
+            timed_out = isinstance(e, CallTimeout)
+        self.errors += 1
+        self.timeouts += timed_out
+        self.rewards.append(Reward(total=0.0, components={}, counts={TIMEOUTS: 1} if timed_out else {}))
+
+    def scores(self) -> Scores:
+        return Scores(self.rewards, self.errors, self.timeouts)
 
 
 def score_episodes(env, episodes: list, *, strict: bool, where: str) -> Scores:
@@ -97,18 +119,16 @@ def score_episodes(env, episodes: list, *, strict: bool, where: str) -> Scores:
     ended by raising or timing out scores 0 (counted in rollout/env_errors, not here); a reward that
     raises or is not finite scores 0 and is counted (with `strict`, either stops the run). Then
     env.finish for every episode, whatever happened. The global RNGs are kept (tasks/env.py)."""
-    rewards, errors = [], 0
+    tally = _Tally()
     try:
         for ep in episodes:
             if ep.cut == "env_error":
                 if strict:
                     raise RunStopped(f"{where}: the environment failed: {ep.error} (--strict_rewards); the last checkpoint is intact")
-                rewards.append(Reward(total=0.0, components={}))
+                tally.rewards.append(Reward(total=0.0, components={}))
                 continue
             with kept_rng_state():
-                reward = _guarded(lambda: env.reward(ep), strict, f"{where}: the environment's reward")  # noqa: B023
-            errors += reward is None
-            rewards.append(reward or Reward(total=0.0, components={}))
+                tally.add(lambda: env.reward(ep), strict, f"{where}: the environment's reward")  # noqa: B023
     finally:
         finish_episodes(env, episodes, where)
-    return Scores(rewards, errors)
+    return tally.scores()

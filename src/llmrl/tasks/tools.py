@@ -20,7 +20,11 @@ max_turns). The reward: the run's `--reward_funcs` (TRL's signature; `environmen
 instance]` is passed beside the columns, the completion is the episode's messages after the prompt), else
 the instance's `get_reward()`, else the dataset's grader on the last reply. The instance lives in
 `episode.state`: with env_isolation process it is pickled to the step worker and back each turn, so it
-must be picklable (a live client or socket: env_isolation thread).
+must be picklable (a live client or socket: env_isolation thread). Building and resetting an instance, and
+get_reward, are bounded by user_code_timeout (tasks/workers.py: UserCalls; with env_isolation process they run
+in a worker process too, killed at the limit, and the reset instance comes back pickled): a reset that overruns
+ends its group's episodes before their first reply (rollout/env_errors and rollout/env_timeouts, reward 0), a
+get_reward that overruns scores its episode 0 (reward/errors).
 """
 
 from __future__ import annotations
@@ -32,9 +36,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from llmrl.errors import ConfigError
+from llmrl.errors import ConfigError, EngineDied
 from llmrl.tasks.base import Example, Reward
 from llmrl.tasks.env import Environment, Episode, Instances, OnRows, Turn
+from llmrl.tasks.workers import CallTimeout, user_calls
 
 HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 TAG_CALL = re.compile(r"<(?P<name>[A-Za-z_][A-Za-z0-9_]*)>(?P<arg>.*?)</(?P=name)>", re.DOTALL)
@@ -132,6 +137,19 @@ def public_methods(instance: Any) -> dict[str, Callable]:
             if not name.startswith("_") and name not in ("reset", "get_reward")}
 
 
+def fresh_reset(factory: Callable[[], Any], row: dict[str, Any]) -> tuple[Any, Any]:
+    """(what reset returned, the instance): a new instance of an environment_factory class, reset with the row's
+    fields. Run through UserCalls: in a worker process (the instance comes back pickled, as a step's does), or on a
+    thread, killed or abandoned at user_code_timeout."""
+    instance = factory()
+    return instance.reset(**accepted(instance.reset, row)), instance
+
+
+def instance_reward(instance: Any) -> float:
+    """An environment_factory instance's get_reward(), as a float (run through UserCalls, as fresh_reset)."""
+    return float(instance.get_reward())
+
+
 def accepted(fn: Callable, row: dict[str, Any]) -> dict[str, Any]:
     """The fields of `row` that `fn` takes as keywords (all of them when it takes **kwargs)."""
     params = inspect.signature(fn).parameters.values()
@@ -147,9 +165,11 @@ class FactoryEnvironment(OnRows, Environment):
     name = "environment_factory"
     max_turns = 4
 
-    def __init__(self, factory: Callable[[], Any], data, spec: str, seed: int = 0) -> None:
+    def __init__(self, factory: Callable[[], Any], data, spec: str, seed: int = 0, user_calls: Any = None) -> None:
         super().__init__(seed)
         self.factory, self.data, self.spec = factory, data, spec
+        if user_calls is not None:  # the run's limit (task_from_config), for the instance built here too
+            self.user_calls = user_calls
         self.worker_classes = [factory] if isinstance(factory, type) else []  # step workers import its module
         probe = self.new_instance()
         if not callable(getattr(probe, "reset", None)):
@@ -165,24 +185,33 @@ class FactoryEnvironment(OnRows, Environment):
         if self.scored_by is None:
             raise ConfigError(f"environment_factory={spec!r}: nothing scores an episode: give --reward_funcs, a "
                               "get_reward method, or a dataset answer column for the grader")
+        if self.scored_by == "reward_funcs":
+            data.refuse_columns(("environments",), f"environment_factory={spec!r}")
         self.eval_n_default = getattr(data, "eval_n_default", 32)
         self.instances = Instances()  # the instance reset built a group's prompt with
 
     def new_instance(self) -> Any:
+        """An instance built on a thread of the trainer within user_code_timeout (UserCalls.here): one that raises or
+        overruns is one ConfigError line."""
         try:
-            return self.factory()
+            return user_calls(self).here(f"environment_factory {self.spec}: building an instance", self.factory)
+        except CallTimeout as e:
+            raise ConfigError(f"environment_factory={self.spec!r}: building an instance did not end: {e}") from None
+        except EngineDied:
+            raise
         except Exception as e:  # noqa: BLE001 - the user's constructor
             raise ConfigError(f"environment_factory={self.spec!r}: building an instance raised "
                               f"{type(e).__name__}: {e}") from None
 
-    def _reset(self, instance: Any, example: Example) -> Any:
-        return instance.reset(**accepted(instance.reset, example.meta))
+    def _fresh(self, example: Example) -> tuple[Any, Any]:
+        """(what reset returned, a new instance reset with the example's row), within user_code_timeout."""
+        return user_calls(self).call(f"environment_factory {self.spec}: building and resetting an instance",
+                                     fresh_reset, self.factory, example.meta)
 
     def reset(self, example: Example) -> list[dict[str, str]]:
         """The example's messages, with what the instance's reset returns appended to the last one's text
         (the group's episodes share this prompt; each gets its own instance, reset with the same row)."""
-        instance = self.factory()
-        observation = self._reset(instance, example)
+        observation, instance = self._fresh(example)
         self.instances.keep(example, instance)
         messages = [dict(m) for m in example.messages]
         if observation is not None:
@@ -190,12 +219,7 @@ class FactoryEnvironment(OnRows, Environment):
         return messages
 
     def start(self, episode: Episode) -> None:
-        def new() -> Any:
-            instance = self.factory()
-            self._reset(instance, episode.example)
-            return instance
-
-        episode.state = self.instances.take(episode.example, new)
+        episode.state = self.instances.take(episode.example, lambda: self._fresh(episode.example)[1])
 
     def step(self, episode: Episode, reply: str) -> Turn:
         tools = public_methods(episode.state)
@@ -213,7 +237,8 @@ class FactoryEnvironment(OnRows, Environment):
         if self.scored_by == "reward_funcs":
             return self.data.function_rewards([episode.example], [episode.transcript], environments=[episode.state])[0]
         if self.scored_by == "get_reward":
-            value = float(episode.state.get_reward())
+            value = user_calls(self).call(f"environment_factory {self.spec}: get_reward", instance_reward,
+                                          episode.state)
             return Reward(total=value, components={"reward": value})
         return self.data.reward(episode.example, episode.last_reply)
 
