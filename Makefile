@@ -62,9 +62,11 @@ test-slow: $(STAMP)
 
 # SIGKILL, ENOSPC and EIO at every write site of a short run, a corrupt file where one is read back, SIGKILL at
 # random moments; each resumed and checked: same adapter as the uninterrupted run, each step logged once, nothing
-# left behind. Prints one line per fault class and `faults injected N, survived N, lost N` (exit 1 unless lost 0).
+# left behind. Then the sites that --finetune full adds (one process) and those of --finetune full --shard fsdp
+# --nproc 2 (each torchrun rank's DCP shards, .metadata, ...; FAULTS_ARGS="--dcp_classes all" for every class at each).
+# Prints one line per fault class and pass and `faults injected N, survived N, lost N` (exit 1 unless lost 0).
 faults: $(STAMP)
-	$(PY) tests/fault_loop.py
+	$(PY) tests/fault_loop.py $(FAULTS_ARGS)
 
 # the same with the in-process vLLM engine, at the write sites it adds (its scratch adapters), and two random kills
 # (CI: VENV=.venv-vllm)

@@ -1,6 +1,7 @@
 """`make faults`: inject a fault at every write site of a short run, then resume and check that nothing was lost.
 
     python tests/fault_loop.py [--out DIR] [--random_kills N] [--occurrences middle|all] [--engine hf|vllm]
+                               [--passes lora,full,dcp] [--dcp_classes fit|all] [--sites REGEX]
 
 1. A traced run (no fault) lists the run's write sites: every file opened for writing, every rename, fsync,
    directory made and safetensors file written, under the run directory or the run's TMPDIR, named by their
@@ -21,6 +22,19 @@ final adapter equals the uninterrupted run's within 1e-6, every step is logged e
 the newest checkpoint verifies; no process of the run is alive after it, no temporary or scratch file is left in
 the run directory or its TMPDIR (and a refusal leaves the run directory's files as they were).
 
+Three passes (`--passes`; the hf engine runs all three): `lora` (the run above, LoRA), `full` (`--finetune full`,
+one process: model.safetensors, config.json, generation_config.json ...) and `dcp` (`--finetune full --shard fsdp
+--nproc 2`: every torchrun rank writes its DCP shard `__<rank>_0.distcp`, rank 0 the `.metadata` and config.json).
+The full and dcp passes fault only the sites they add (a site of the same name in an earlier pass is that pass's);
+a dcp site is a site of one rank (`SITE %R`), faulted in that rank alone. The ranks are separate processes started by
+torchrun: the fault reaches them through the environment (tests/faults.py:site_env), which a sitecustomize.py made
+for the loop (tests/faults.py:rank_hook) reads in every rank. A dcp case costs two torchrun launches (~20 s each on
+2 cores), so by default (`--dcp_classes fit`) the shard files of each rank get all three classes and each other dcp
+site one (rotating through ENOSPC, EIO, SIGKILL); `--dcp_classes all` gives every dcp site all three. A SIGKILLed rank
+is reported by the launcher (`llmrl: rank R ended by SIGKILL`): that, with no traceback, is the dcp pass's "ended by
+the signal". Their weights are compared whole (model.safetensors, or the DCP shards consolidated) within 1e-6.
+Random kills and corrupt files are the lora pass's.
+
 `--engine vllm` (in a venv with vLLM: `make faults-vllm`) runs the same loop with the in-process vLLM engine, at
 the write sites that engine adds (its scratch adapters in the run directory; the sites it shares with hf are the
 hf pass's), plus random kills; a SIGKILLed run's scratch adapters must be swept by the resume.
@@ -33,9 +47,6 @@ Python's start-up). It prints one line per fault class and engine and a total
 from __future__ import annotations
 
 import argparse
-import builtins
-import errno
-import io
 import json
 import os
 import random
@@ -45,7 +56,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,174 +67,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-import safetensors.torch  # noqa: E402
-import torch  # noqa: E402
-
 import llmrl.cli  # noqa: E402  (imported before the forks: each run starts warm)
 import llmrl.training.loop  # noqa: E402,F401
+from faults import Injector, install, rank_hook, save_seen, site_env  # noqa: E402  (the injector)
 from llmrl.checkpoint import latest_checkpoint, verify_checkpoint  # noqa: E402
 from llmrl.training import hooks  # noqa: E402
 
 STEPS = 2
-LLMRL_SRC = os.path.dirname(os.path.abspath(llmrl.cli.__file__))
+NPROC = 2  # the dcp pass's ranks
 MARKER = "LLMRL_FAULT_LOOP"  # set in every run's environment: a process that still has it afterwards was left behind
 CLASSES = ("sigkill", "enospc", "eio")
 ENGINE_SITE = re.compile(r"@rollout/")  # --engine vllm: the sites in the rollout engines' code (scratch adapters)
-ERRNO = {"enospc": errno.ENOSPC, "eio": errno.EIO}
-
-
-# --------------------------------------------------------------------------------------------- the injector
-
-
-@dataclass
-class Injector:
-    """Counts the write sites of one run; with `site`, fires `kind` at that site's `occurrence`-th visit."""
-
-    run_dir: Path
-    tmp_dir: Path
-    site: str | None = None
-    occurrence: int = 0
-    kind: str = ""
-    seen: Counter = field(default_factory=Counter)
-    example: dict[str, str] = field(default_factory=dict)  # a path written at each site, for the listing
-
-    @property
-    def roots(self) -> tuple[str, str]:
-        return str(self.run_dir), str(self.tmp_dir)
-
-    def name(self, op: str, path) -> str | None:
-        """The write site: `op@file:line` of the innermost llmrl frame that asked for it (one place in the code,
-        whichever file it writes, so a loop over files is one site); None for paths outside the run's folders."""
-        try:
-            p = os.path.abspath(os.fspath(path))
-        except TypeError:
-            return None
-        if not any(p == root or p.startswith(root + os.sep) for root in self.roots):
-            return None
-        if f"{os.sep}torchinductor_" in p:  # torch's compile cache (vLLM compiles CPU kernels): shared by every run,
-            return None  # written by torch, which treats a failed cache write as a cache miss; not llmrl's
-        frame = sys._getframe(2)
-        while frame is not None and (LLMRL_SRC not in frame.f_code.co_filename):
-            frame = frame.f_back
-        where = "outside llmrl" if frame is None else \
-            f"{os.path.relpath(frame.f_code.co_filename, LLMRL_SRC)}:{frame.f_lineno}"
-        # a write or rename: which file (a temporary by the file it stands for: .tmp-config.yaml.PID is config.yaml's);
-        # an fsync or mkdir: the code site alone (one loop over a checkpoint's files is one site)
-        base = "" if op in ("fsync", "mkdir") or p in self.roots else \
-            re.sub(r"^\.tmp-(.*?)(\.[0-9]+)?$", r"\1 (temporary)", os.path.basename(p))
-        base = "*.png" if ".png" in base else re.sub(r"[0-9]+", "N", base)  # the report's plots: one site
-        site = f"{op}@{where}" + (f" [{base}]" if base else "")
-        self.example.setdefault(site, os.path.relpath(p, str(self.run_dir)))
-        return site
-
-    def visit(self, op: str, path) -> bool:
-        """Count a visit; True when the fault fires here."""
-        site = self.name(op, path)
-        if site is None:
-            return False
-        self.seen[site] += 1
-        return site == self.site and self.seen[site] == self.occurrence
-
-    def fail(self, path) -> None:
-        """The fault itself, at the moment it fires (after half the bytes of a write)."""
-        if self.kind == "sigkill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        code = ERRNO[self.kind]
-        raise OSError(code, os.strerror(code), os.fspath(path))
-
-
-class HalfWrite:
-    """Stands in for a file opened for writing at the faulted site: its first write stores half the bytes,
-    then the fault fires (a close without any write fires it too)."""
-
-    def __init__(self, f, injector: Injector, path) -> None:
-        self.f, self.injector, self.path, self.fired = f, injector, path, False
-
-    def write(self, data):
-        if not self.fired:
-            self.fired = True
-            half = len(data) // 2
-            self.f.write(data[:half])
-            self.f.flush()
-            self.injector.fail(self.path)
-        return self.f.write(data)
-
-    def close(self):
-        if not self.fired:
-            self.fired = True
-            self.f.close()
-            self.injector.fail(self.path)
-        self.f.close()
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-def install(inj: Injector) -> None:
-    """Route the run's writes through `inj`: open for writing, renames, fsync, mkdir, safetensors and torch files."""
-    real_open, real_replace, real_rename = builtins.open, os.replace, os.rename
-    real_fsync, real_mkdir, real_serialize = os.fsync, os.mkdir, safetensors.torch.serialize_file
-    real_torch_save = torch.save
-
-    def opened(file, mode="r", *a, **k):
-        f = real_open(file, mode, *a, **k)
-        if isinstance(file, int) or not any(c in mode for c in "wax+"):
-            return f
-        return HalfWrite(f, inj, file) if inj.visit("write", file) else f
-
-    def replace(src, dst, *a, **k):
-        if inj.visit("rename", dst):
-            inj.fail(dst)
-        return real_replace(src, dst, *a, **k)
-
-    def rename(src, dst, *a, **k):
-        if inj.visit("rename", dst):
-            inj.fail(dst)
-        return real_rename(src, dst, *a, **k)
-
-    def fsync(fd):
-        try:
-            path = os.readlink(f"/proc/self/fd/{fd}") if isinstance(fd, int) else fd.name
-        except OSError:
-            path = None
-        if path is not None and inj.visit("fsync", path):
-            inj.fail(path)
-        return real_fsync(fd)
-
-    def mkdir(path, *a, **k):  # a directory that exists fails with EEXIST before the disk is asked: not a site
-        if not os.path.lexists(path) and inj.visit("mkdir", path):
-            inj.fail(path)
-        return real_mkdir(path, *a, **k)
-
-    def serialize(tensors, filename, *a, **k):
-        if inj.visit("write", filename):
-            with real_open(filename, "wb") as f:
-                f.write(b"\0" * 64)  # a torn file: what a full disk leaves
-            if inj.kind == "sigkill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            code = ERRNO[inj.kind]
-            raise safetensors.SafetensorError(f"Error while serializing: IoError({os.strerror(code)} (os error {code}))")
-        return real_serialize(tensors, filename, *a, **k)
-
-    def torch_save(obj, f, *a, **k):  # torch writes a path from C++, past `open`
-        if isinstance(f, (str, os.PathLike)) and inj.visit("write", f):
-            buf = io.BytesIO()
-            real_torch_save(obj, buf, *a, **k)
-            with real_open(f, "wb") as fh:
-                fh.write(buf.getvalue()[: len(buf.getvalue()) // 2])
-            inj.fail(f)
-        return real_torch_save(obj, f, *a, **k)
-
-    builtins.open = io.open = opened
-    torch.save = torch_save
-    os.replace, os.rename, os.fsync, os.mkdir = replace, rename, fsync, mkdir
-    safetensors.torch.serialize_file = serialize
+PASSES = ("lora", "full", "dcp")
+LABEL = {"lora": None, "full": "full", "dcp": "dcp"}  # the tally's name of a pass (lora: the engine's, hf or vllm)
 
 
 # --------------------------------------------------------------------------------------------- one run
@@ -236,13 +92,29 @@ class Outcome:
     seen: dict[str, int]
     example: dict[str, str]
     seconds: float
+    fired: bool = False  # the fault fired (a SIGKILLed rank cannot say so otherwise)
+
+
+HOOK: dict[str, Path] = {}  # "dir": the folder of the ranks' sitecustomize.py (tests/faults.py:rank_hook), made by main
+
+
+def rank_site(site: str) -> tuple[str, int]:
+    """`SITE %R` (a site of rank R in the dcp pass) → (SITE, R)."""
+    name, _, rank = site.rpartition(" %")
+    return name, int(rank)
 
 
 def run(argv: list[str], run_dir: Path, tmp_dir: Path, log: Path, *, site: str | None = None, occurrence: int = 0,
-        kind: str = "", kill_after: float | None = None, after_checkpoint: int | None = None) -> Outcome:
-    """`llmrl ARGV` in a forked child with the injector installed; returns how it ended and the sites it visited."""
+        kind: str = "", kill_after: float | None = None, after_checkpoint: int | None = None,
+        ranks: bool = False) -> Outcome:
+    """`llmrl ARGV` in a forked child with the injector installed; returns how it ended and the sites it visited.
+    ranks (ARGV has --nproc): the child launches torchrun and every rank installs the injector from its environment
+    (sites `SITE %R`; a `site` fires in its rank R alone); the child itself, the launcher, writes nothing."""
     tmp_dir.mkdir(parents=True, exist_ok=True)
     seen_file = log.with_suffix(".sites.json")
+    fired = log.with_suffix(".fired")
+    for stale in (seen_file, fired, *(log.with_suffix(f".sites.rank{r}.json") for r in range(NPROC))):
+        stale.unlink(missing_ok=True)
     t0 = time.perf_counter()
     pid = os.fork()
     if pid == 0:  # the child: never returns
@@ -255,8 +127,15 @@ def run(argv: list[str], run_dir: Path, tmp_dir: Path, log: Path, *, site: str |
             os.environ[MARKER] = str(run_dir)
             os.environ["TMPDIR"] = str(tmp_dir)
             tempfile.tempdir = None
-            inj = Injector(run_dir.resolve(), tmp_dir.resolve(), site, occurrence, kind)
-            install(inj)
+            inj = Injector(run_dir.resolve(), tmp_dir.resolve(), site, occurrence, kind, str(fired))
+            if ranks:  # each rank's injector: its sitecustomize reads this
+                name, rank = rank_site(site) if site else (None, None)
+                os.environ.update(site_env(run_dir.resolve(), tmp_dir.resolve(), log.with_suffix(".sites"), name, rank,
+                                           occurrence, kind, fired))
+                os.environ["PYTHONPATH"] = os.pathsep.join(
+                    [str(HOOK["dir"]), str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])
+            else:
+                install(inj)
             if after_checkpoint:
                 count = {"n": 0}
 
@@ -277,8 +156,7 @@ def run(argv: list[str], run_dir: Path, tmp_dir: Path, log: Path, *, site: str |
                 code = 99
             sys.stdout.flush()
             sys.stderr.flush()
-            with io.FileIO(str(seen_file), "w") as f:
-                f.write(json.dumps({"seen": dict(inj.seen), "example": inj.example}).encode())
+            save_seen(inj, str(seen_file))
         finally:
             os._exit(code)
     done = (0, 0)
@@ -294,23 +172,35 @@ def run(argv: list[str], run_dir: Path, tmp_dir: Path, log: Path, *, site: str |
     else:
         how = "ok" if os.WEXITSTATUS(status) == 0 else f"exit {os.WEXITSTATUS(status)}"
     seen = json.loads(seen_file.read_text()) if seen_file.exists() else {"seen": {}, "example": {}}
-    return Outcome(how, log.read_text(errors="replace"), seen["seen"], seen["example"], time.perf_counter() - t0)
+    if ranks:  # every rank's sites, by rank
+        seen = {"seen": {}, "example": {}}
+        for r in range(NPROC):
+            f = log.with_suffix(f".sites.rank{r}.json")
+            if f.exists():
+                mine = json.loads(f.read_text())
+                seen["seen"] |= {f"{k} %{r}": v for k, v in mine["seen"].items()}
+                seen["example"] |= {f"{k} %{r}": v for k, v in mine["example"].items()}
+    return Outcome(how, log.read_text(errors="replace"), seen["seen"], seen["example"], time.perf_counter() - t0,
+                   fired.exists())
 
 
 ENGINE = {"name": "hf"}  # --engine: set once in main(), before any run
 
 
-def train_args(model: str, out: Path) -> list[str]:
+def train_args(model: str, out: Path, mode: str = "lora") -> list[str]:
     """A short run on the tiny model that reaches every kind of write: a checkpoint each step (two kept), samples,
-    an eval at step 2 and the end, the report. toy_task's reward varies, so the adapter moves every step."""
+    an eval at step 2 and the end, the report. toy_task's reward varies, so the weights move every step.
+    mode: lora, full (--finetune full) or dcp (--finetune full --shard fsdp --nproc 2)."""
     from helpers import tiny_args
 
+    extra = {"full": {"finetune": "full"}, "dcp": {"finetune": "full", "shard": "fsdp"}}.get(mode, {})
     return tiny_args(model, out, "grpo", steps=STEPS, eval_interval=2, eval_n=2, save_interval=1, keep_checkpoints=2,
-                     rollout_engine=ENGINE["name"])
+                     rollout_engine=ENGINE["name"], **extra) + LAUNCH[mode]
 
 
 MISSED = "missed"  # a random kill that came after its run had ended: nothing was injected
 RESUME = ["--task", "toy_task:CharTask"]  # naming the task's code again: a resume never imports it unasked
+LAUNCH = {"lora": [], "full": [], "dcp": ["--nproc", str(NPROC)]}  # how a pass's runs (and resumes) are launched
 
 
 def in_child(fn) -> int:
@@ -334,10 +224,12 @@ COMPILE_FILES = {".hpp", ".h", ".cpp", ".so", ".o", ".lock", ".json", ".tmp", ".
 
 def torch_compile_files(p: Path) -> bool:
     """What torch's inductor puts in TMPDIR while vLLM's CPU kernels compile (its cache `torchinductor_USER`, and
-    a `tmpXXXX` folder of C++ sources and objects per compile, which a SIGKILL mid-compile leaves): torch's
-    files, not llmrl's (llmrl's own scratch lives in the run directory)."""
+    a `tmpXXXX` folder of C++ sources and objects per compile, which a SIGKILL mid-compile leaves), and torchrun's
+    `torchelastic_*` log folder: torch's files, not llmrl's (llmrl's own scratch lives in the run directory)."""
     if p.name.startswith("torchinductor_"):
         return True
+    if p.name.startswith("torchelastic_") and p.is_dir():  # torchrun's log folder (the dcp pass): every launch leaves
+        return True  # one, ended well or not (torch's, not llmrl's; the launcher could sweep it)
     return p.is_dir() and p.name.startswith("tmp") and all(
         f.suffix in COMPILE_FILES for f in p.rglob("*") if f.is_file())
 
@@ -374,9 +266,17 @@ def leftovers(run_dir: Path, tmp_dir: Path, files: bool = True) -> list[str]:
     return found
 
 
-def one_line_stop(o: Outcome, codes: tuple[str, ...]) -> str | None:
-    """None when `o` ended by SIGKILL, or with one of `codes` and exactly one `llmrl:` line and no traceback."""
+def one_line_stop(o: Outcome, codes: tuple[str, ...], rank_killed: bool = False) -> str | None:
+    """None when `o` ended by SIGKILL, or with one of `codes` and exactly one `llmrl:` line and no traceback.
+    rank_killed (a rank of a torchrun launch was SIGKILLed): the launcher says so in one line, and no traceback."""
     if o.status == f"signal {signal.SIGKILL}":
+        return None
+    if rank_killed:
+        if "Traceback" in o.stderr:
+            return "a traceback: " + o.stderr.strip().splitlines()[-1][:200]
+        # (anywhere in a line: the launcher cannot know that a rank's progress bar left its line open)
+        if o.status == "ok" or not re.search(r"llmrl: rank \d+ ended by SIGKILL", o.stderr):
+            return f"ended with {o.status}, without `llmrl: rank R ended by SIGKILL`"
         return None
     if o.status not in codes:
         return f"ended with {o.status}: {o.stderr.strip().splitlines()[-1:] if o.stderr.strip() else ''}"
@@ -388,12 +288,85 @@ def one_line_stop(o: Outcome, codes: tuple[str, ...]) -> str | None:
     return None
 
 
-def same_run(reference: Path, run_dir: Path) -> str | None:
-    """None when the final adapter (within 1e-6), the logged steps (each once) and their values match."""
+def same_weights(reference: Path, run_dir: Path) -> str | None:
+    """Full weights: None when the final checkpoint's weights (model.safetensors, or the DCP shards consolidated) equal
+    the uninterrupted run's within 1e-6, as in helpers.assert_same_run. In a forked child: DCP's reader stays out of
+    this process (it forks every run)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(read)
+            ckpt = f"checkpoints/step_{STEPS:06d}"
+            try:
+                a, b = whole_weights(reference / ckpt), whole_weights(run_dir / ckpt)
+                shared = a.keys() & b.keys()
+                if not shared or (a.keys() ^ b.keys()) - {"lm_head.weight"}:  # a tied lm_head: saved once or twice
+                    problem = f"different tensors: {sorted(a.keys() ^ b.keys())[:3]}"
+                else:
+                    diff = max((a[k] - b[k]).abs().max().item() for k in shared)
+                    problem = f"weights differ by {diff:.2e}" if diff > 1e-6 else ""
+            except Exception as e:  # noqa: BLE001 - a missing or unreadable checkpoint: said as the difference
+                problem = f"{type(e).__name__}: {str(e)[:200]}"
+            os.write(write, problem.encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        said = f.read().decode()
+    if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0:
+        return "the weight comparison failed"
+    return f"differs from the uninterrupted run: {said}" if said else None
+
+
+def whole_weights(ckpt: Path) -> dict:
+    """A checkpoint's full weights: its model*.safetensors, or its DCP shards consolidated (the model's part)."""
+    from safetensors.torch import load_file
+
+    if not (ckpt / ".metadata").is_file():
+        out = {}
+        for f in sorted(ckpt.glob("model*.safetensors")):
+            out |= load_file(f)
+        return out
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    import torch
+
+    with tempfile.TemporaryDirectory() as scratch:
+        dcp_to_torch_save(ckpt, Path(scratch) / "whole.pt")
+        return torch.load(Path(scratch) / "whole.pt", weights_only=True)["model"]
+
+
+def same_records(reference: Path, run_dir: Path) -> None:
+    """helpers.assert_same_run's check of metrics.jsonl (each step once, the same values but timings), without its
+    adapter: full weights are same_weights'."""
+    from helpers import read_jsonl
+
+    ra, rb = read_jsonl(reference / "metrics.jsonl"), read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in ra] == [r["step"] for r in rb], "steps logged differ"
+    for x, y in zip(ra, rb):
+        assert x.keys() == y.keys(), (x["step"], sorted(x.keys() ^ y.keys()))
+        for k in x:
+            if k.startswith("time/") or x[k] is None:
+                continue
+            same = abs(x[k] - y[k]) <= 1e-6 if isinstance(x[k], (int, float)) else x[k] == y[k]
+            assert same, (x["step"], k, x[k], y[k])
+
+
+def same_run(reference: Path, run_dir: Path, mode: str = "lora") -> str | None:
+    """None when the final adapter or weights (within 1e-6), the logged steps (each once) and their values match,
+    and the newest checkpoint verifies."""
     from helpers import assert_same_run
 
     try:
-        assert_same_run(reference, run_dir, STEPS)
+        if mode == "lora":
+            assert_same_run(reference, run_dir, STEPS)
+        else:
+            problem = same_weights(reference, run_dir)
+            if problem:
+                return problem
+            same_records(reference, run_dir)
     except (AssertionError, OSError, KeyError, ValueError) as e:
         return f"differs from the uninterrupted run: {str(e)[:200] or type(e).__name__}"
     newest = latest_checkpoint(run_dir, report=lambda msg: None)
@@ -430,13 +403,17 @@ class Tally:
             print(f"  LOST {cls}[{engine}] {name}: {problem}", flush=True)
 
 
-def fault_then_resume(work: Path, model: str, reference: Path, **fault) -> str | None:
+def fault_then_resume(work: Path, model: str, reference: Path, mode: str = "lora", **fault) -> str | None:
     """One case: a faulted run into work/run, then a resume; the first invariant it breaks, or None."""
     run_dir, tmp_dir = work / "run", work / "tmp"
-    o = run(train_args(model, run_dir), run_dir, tmp_dir, work / "fault.log", **fault)
+    ranks = mode == "dcp"
+    o = run(train_args(model, run_dir, mode), run_dir, tmp_dir, work / "fault.log", ranks=ranks, **fault)
     if o.status == "ok" and fault.get("kill_after") is not None:
         return MISSED  # the run was faster than the reference: the kill came after it ended
-    problem = one_line_stop(o, ("exit 1", "exit 2"))  # 2: a set-up write failed (`output_dir ... is not writable`)
+    if fault.get("site") and not o.fired:
+        return f"the fault never fired: the run ended with {o.status} (log {work / 'fault.log'})"
+    # 2: a set-up write failed (`output_dir ... is not writable`)
+    problem = one_line_stop(o, ("exit 1", "exit 2"), rank_killed=ranks and fault.get("kind") == "sigkill")
     if problem:
         return f"faulted run {problem} (log {work / 'fault.log'})"
     left = leftovers(run_dir, tmp_dir, files=False)
@@ -444,12 +421,12 @@ def fault_then_resume(work: Path, model: str, reference: Path, **fault) -> str |
         return f"after the fault: {', '.join(left[:3])}"
     # a fault before the first checkpoint left nothing to resume: the user runs the same command again
     # (what the refusal of `--resume` says: with --overwrite)
-    again = ["train", "--resume", str(run_dir), *RESUME] if latest_checkpoint(run_dir, report=lambda _: None) \
-        else [*train_args(model, run_dir), "--overwrite"]
-    r = run(again, run_dir, tmp_dir, work / "resume.log")
+    again = ["train", "--resume", str(run_dir), *RESUME, *LAUNCH[mode]] \
+        if latest_checkpoint(run_dir, report=lambda _: None) else [*train_args(model, run_dir, mode), "--overwrite"]
+    r = run(again, run_dir, tmp_dir, work / "resume.log", ranks=ranks)
     if r.status != "ok":
         return f"resume {r.status}: {r.stderr.strip().splitlines()[-1:] if r.stderr.strip() else ''}"
-    return same_run(reference, run_dir) or (", ".join(leftovers(run_dir, tmp_dir)[:3]) or None)
+    return same_run(reference, run_dir, mode) or (", ".join(leftovers(run_dir, tmp_dir)[:3]) or None)
 
 
 def damage_then_resume(work: Path, base: Path, target: Path, damage: str, reference: Path) -> str | None:
@@ -474,6 +451,16 @@ def damage_then_resume(work: Path, base: Path, target: Path, damage: str, refere
     return problem or (", ".join(leftovers(work / "run", work / "tmp")[:3]) or None)
 
 
+def dcp_classes(own: list[str], every: bool) -> dict[str, tuple[str, ...]]:
+    """The classes each new site of the dcp pass gets: all three for the shard files (each rank's) and, with `every`,
+    for every site; else one each for the others, rotating (a dcp case is two torchrun launches)."""
+    shards = [site for site in own if "distcp]" in site]
+    rest = [site for site in own if site not in shards]
+    rotation = ("enospc", "eio", "sigkill")
+    return {**{site: CLASSES for site in shards},
+            **{site: CLASSES if every else (rotation[i % 3],) for i, site in enumerate(rest)}}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="working directory (default: a temporary one, removed when nothing is lost)")
@@ -481,11 +468,20 @@ def main() -> int:
     ap.add_argument("--occurrences", choices=("middle", "all"), default="middle")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="cases run side by side")
-    ap.add_argument("--list", action="store_true", help="only list the write sites of the uninterrupted run")
+    ap.add_argument("--list", action="store_true", help="only list the write sites of the uninterrupted runs")
     ap.add_argument("--engine", choices=("hf", "vllm"), default="hf",
                     help="rollout engine (vllm: only the write sites it adds, see above)")
+    ap.add_argument("--passes", default=",".join(PASSES),
+                    help="lora, full (--finetune full), dcp (--finetune full --shard fsdp --nproc 2); hf engine only "
+                         "for full and dcp")
+    ap.add_argument("--dcp_classes", choices=("fit", "all"), default="fit",
+                    help="fit: all three classes at the shard files, one at each other dcp site; all: three everywhere")
+    ap.add_argument("--sites", metavar="REGEX", help="fault only the sites REGEX finds (with --passes: a quick look)")
     args = ap.parse_args()
     ENGINE["name"] = engine = args.engine
+    passes = [mode for mode in PASSES if mode in args.passes.split(",")]
+    if engine != "hf" or not passes:
+        passes = ["lora"]  # the vLLM engine's own sites are LoRA's (scratch adapters)
     out = Path(args.out or tempfile.mkdtemp(prefix="llmrl-faults-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -499,84 +495,123 @@ def main() -> int:
             out / "model", resolve_model_path("smollm2-135m-instruct"), **shape)) != 0:
         print("could not build the tiny model")
         return 1
-    shutil.rmtree(out / "reference", ignore_errors=True)
-    reference = out / "reference" / "run"
-    ref = run(train_args(model, reference), reference, out / "reference" / "tmp", out / "reference.log")
-    if ref.status != "ok":
-        print(f"the uninterrupted run failed ({ref.status}); see {out / 'reference.log'}")
-        return 1
-    sites = ref.seen
-    print(f"uninterrupted run: {STEPS} steps in {ref.seconds:.1f} s; {len(sites)} write sites in llmrl's code, "
-          f"{sum(sites.values())} writes", flush=True)
+    HOOK["dir"] = rank_hook(out / "rank-hook")
+    label = {mode: LABEL[mode] or engine for mode in passes}
+    references, refs = {}, {}
+    for mode in passes:  # each pass's uninterrupted run: its write sites, and the weights every case must end with
+        where = out / ("reference" if mode == "lora" else f"reference-{mode}")
+        shutil.rmtree(where, ignore_errors=True)
+        references[mode] = where / "run"
+        refs[mode] = ref = run(train_args(model, where / "run", mode), where / "run", where / "tmp",
+                               out / f"{where.name}.log", ranks=mode == "dcp")
+        if ref.status != "ok":
+            print(f"the uninterrupted run [{label[mode]}] failed ({ref.status}); see {out / f'{where.name}.log'}")
+            return 1
+        print(f"uninterrupted run [{label[mode]}]: {STEPS} steps in {ref.seconds:.1f} s; {len(ref.seen)} write sites in "
+              f"llmrl's code{f' (over {NPROC} ranks)' if mode == 'dcp' else ''}, {sum(ref.seen.values())} writes",
+              flush=True)
     if args.list:
-        for site, count in sorted(sites.items()):
-            print(f"  {site} ×{count} ({ref.example[site]})")
+        for mode in passes:
+            print(f"[{label[mode]}]")
+            for site, count in sorted(refs[mode].seen.items()):
+                print(f"  {site} ×{count} ({refs[mode].example[site]})")
         return 0
 
-    # vllm: the engine's own sites in the run directory; its code also calls into vLLM and torch, which write their
-    # kernel compiles to TMPDIR (and tolerate a failed write there): those are listed, not faulted
-    own = sorted(sites) if engine == "hf" else [site for site in sorted(sites) if ENGINE_SITE.search(site)
-                                                 and not ref.example[site].startswith("..")]
-    cases = []  # (class, name, work folder, the case as a function of its folder)
-    for site, count in ((site, sites[site]) for site in own):
-        for occ in range(1, count + 1) if args.occurrences == "all" else [count // 2 + 1]:
-            for cls in CLASSES:
-                cases.append((cls, f"{site}#{occ}", lambda w, site=site, occ=occ, cls=cls: fault_then_resume(
-                    w, model, reference, site=site, occurrence=occ, kind=cls)))
-    rng = random.Random(args.seed)
-    for at in sorted(rng.uniform(0.1, 0.9) * ref.seconds for _ in range(args.random_kills)):
-        cases.append(("random-sigkill", f"at {at:.1f} s",
-                      lambda w, at=at: fault_then_resume(w, model, reference, kill_after=at)))
+    cases = []  # (class, pass, name, the case as a function of its work folder)
+    owns, news, earlier = {}, {}, set()  # each pass's own sites (and how many); the site names of the passes before
+    for mode in passes:
+        sites, reference = refs[mode].seen, references[mode]
+        if mode == "lora":
+            # vllm: the engine's own sites in the run directory; its code also calls into vLLM and torch, which write
+            # their kernel compiles to TMPDIR (and tolerate a failed write there): those are listed, not faulted
+            own = sorted(sites) if engine == "hf" else [site for site in sorted(sites) if ENGINE_SITE.search(site)
+                                                         and not refs[mode].example[site].startswith("..")]
+        else:  # full, dcp: the sites they add (a dcp site of rank 0 named as an earlier pass's is that pass's)
+            own = [site for site in sorted(sites) if not (site.removesuffix(" %0") in earlier)]
+        earlier |= {site.removesuffix(" %0") for site in sites}
+        news[mode] = len(own)
+        owns[mode] = own = [site for site in own if not args.sites or re.search(args.sites, site)]
+        classes = dcp_classes(own, args.dcp_classes == "all") if mode == "dcp" else {site: CLASSES for site in own}
+        mine = []
+        for site in own:
+            for occ in range(1, sites[site] + 1) if args.occurrences == "all" else [sites[site] // 2 + 1]:
+                for cls in classes[site]:
+                    mine.append((cls, mode, f"{site}#{occ}", lambda w, site=site, occ=occ, cls=cls, mode=mode,
+                                 ref=reference: fault_then_resume(w, model, ref, mode, site=site, occurrence=occ,
+                                                                  kind=cls)))
+        cases = mine + cases  # the slowest pass first: the others fill in beside it
+    reference, ref = (references["lora"], refs["lora"]) if "lora" in passes else (None, None)
+    if ref is not None:
+        rng = random.Random(args.seed)
+        for at in sorted(rng.uniform(0.1, 0.9) * ref.seconds for _ in range(args.random_kills)):
+            cases.append(("random-sigkill", "lora", f"at {at:.1f} s",
+                          lambda w, at=at: fault_then_resume(w, model, reference, kill_after=at)))
     # a corrupt file where one is read back: the run killed right after step 1's checkpoint, then one file damaged
     # (the files a resume reads are the same whichever engine wrote them: the hf pass's)
-    base = out / "killed-after-step1"
-    shutil.rmtree(base, ignore_errors=True)
-    o = run(train_args(model, base / "run"), base / "run", base / "tmp", out / "killed-after-step1.log",
-            after_checkpoint=1)
-    newest = latest_checkpoint(base / "run", report=lambda msg: None)
-    if engine != "hf":
-        pass
-    elif o.status != f"signal {signal.SIGKILL}" or newest is None:
-        cases.append(("corrupt", "setup", lambda w: f"the run to damage ended with {o.status}"))
-    else:
-        targets = [p for p in sorted(newest.iterdir()) if p.is_file()]
-        targets += [p for p in (base / "run" / "checkpoints" / "latest", base / "run" / "config.yaml",
-                                base / "run" / "metrics.jsonl") if p.exists()]
-        for target in targets:  # a checkpoint's files rot (a byte flipped); the others are cut short by a crash
-            damage = "flip" if target.parent == newest else "cut"
-            cases.append(("corrupt", f"{damage} {target.relative_to(base / 'run')}",
-                          lambda w, t=target, d=damage: damage_then_resume(w, base, t, d, reference)))
+    if engine == "hf" and ref is not None:
+        base = out / "killed-after-step1"
+        shutil.rmtree(base, ignore_errors=True)
+        o = run(train_args(model, base / "run"), base / "run", base / "tmp", out / "killed-after-step1.log",
+                after_checkpoint=1)
+        newest = latest_checkpoint(base / "run", report=lambda msg: None)
+        if o.status != f"signal {signal.SIGKILL}" or newest is None:
+            cases.append(("corrupt", "lora", "setup", lambda w: f"the run to damage ended with {o.status}"))
+        else:
+            targets = [p for p in sorted(newest.iterdir()) if p.is_file()]
+            targets += [p for p in (base / "run" / "checkpoints" / "latest", base / "run" / "config.yaml",
+                                    base / "run" / "metrics.jsonl") if p.exists()]
+            for target in targets:  # a checkpoint's files rot (a byte flipped); the others are cut short by a crash
+                damage = "flip" if target.parent == newest else "cut"
+                cases.append(("corrupt", "lora", f"{damage} {target.relative_to(base / 'run')}",
+                              lambda w, t=target, d=damage: damage_then_resume(w, base, t, d, reference)))
     print(f"{len(cases)} cases, {args.jobs} at a time", flush=True)
 
     def one(i_case):
-        i, (cls, name, fn) = i_case
+        i, (cls, mode, name, fn) = i_case
         work = out / f"case{i:03d}"
         shutil.rmtree(work, ignore_errors=True)
+        started = time.perf_counter()
         problem = fn(work)
         if problem is None:
             shutil.rmtree(work, ignore_errors=True)
-        return cls, name, problem
+        return cls, mode, name, problem, time.perf_counter() - started
 
     from concurrent.futures import ThreadPoolExecutor
 
     tally = Tally()
+    busy = defaultdict(float)  # seconds of cases per pass (summed over the jobs side by side)
     with ThreadPoolExecutor(args.jobs) as pool:
-        for cls, name, problem in pool.map(one, enumerate(cases)):
-            tally.add(cls, engine, name, problem)
+        for cls, mode, name, problem, seconds in pool.map(one, enumerate(cases)):
+            tally.add(cls, label[mode], name, problem)
+            busy[mode] += seconds
 
     for (cls, eng), (injected, survived) in sorted(tally.results.items()):
         print(f"{cls}[{eng}]: injected {injected}, survived {survived}, lost {injected - survived}")
-    reached = {name.rsplit("#", 1)[0] for cls, name, _ in cases if cls in CLASSES}
-    uncovered = sorted(set(own) - reached)
-    print(f"write sites: {len(sites)}" + (f", the {engine} engine's own: {len(own)}" if engine != "hf" else "")
-          + f", covered {len(own) - len(uncovered)}" + (f", uncovered: {', '.join(uncovered)}" if uncovered else ""))
-    for site, count in sorted(sites.items()):
-        print(f"  {site} ×{count} ({ref.example[site]})" + ("" if site in own else " (torch's, in TMPDIR: not faulted)"
-                                                              if ref.example[site].startswith("..") else " (the hf pass's)"))
+    for mode in passes:
+        sites, own, example = refs[mode].seen, owns[mode], refs[mode].example
+        reached = {name.rsplit("#", 1)[0] for cls, m, name, _ in cases if m == mode and cls in CLASSES}
+        uncovered = sorted(set(own) - reached)
+        others = len(sites) - news[mode]
+        print(f"write sites [{label[mode]}]: {len(sites)}" + (f" over {NPROC} ranks" if mode == "dcp" else "")
+              + (f", the {engine} engine's own: {len(own)}" if mode == "lora" and engine != "hf" else "")
+              + (f", new {news[mode]} (the {others} others: the earlier passes')" if mode != "lora" else "")
+              + (f", chosen by --sites {len(own)}" if args.sites else "")
+              + f", covered {len(own) - len(uncovered)}" + (f", uncovered: {', '.join(uncovered)}" if uncovered else "")
+              + f"; cases {busy[mode]:.0f} s")
+        for site, count in sorted(sites.items()):
+            if mode != "lora" and site not in own:
+                continue
+            note = "" if site in own else " (torch's, in TMPDIR: not faulted)" if example[site].startswith("..") \
+                else " (the hf pass's)"
+            if mode == "dcp" and site in own:
+                note = f" ({', '.join(dcp_classes(own, args.dcp_classes == 'all')[site])})"
+            print(f"  {site} ×{count} ({example[site]}){note}")
     if tally.missed:
         print(f"random kills that came after their run had ended (not counted): {tally.missed}")
+    not_run = [f"{mode} (--passes)" for mode in PASSES if mode not in passes and engine == "hf"]
     print({"hf": "engines not run here: vllm (make faults-vllm), vllm-server",
-           "vllm": "engines not run here: hf (make faults), vllm-server"}[engine])
+           "vllm": "engines not run here: hf (make faults), vllm-server"}[engine]
+          + (f"; passes not run: {', '.join(not_run)}" if not_run else ""))
     injected = sum(r[0] for r in tally.results.values())
     survived = sum(r[1] for r in tally.results.values())
     print(f"faults injected {injected}, survived {survived}, lost {injected - survived} "
