@@ -79,6 +79,8 @@ def reference(tmp_path_factory, tiny_model_dir):
     out = tmp_path_factory.mktemp("sharded") / "reference"
     p = llmrl(*args(tiny_model_dir, out))
     assert p.returncode == 0, p.stderr[-3000:]
+    # from_pretrained cannot read DCP shards: the run's last line names the command that can
+    assert f"model: {out / 'checkpoints' / f'step_{STEPS:06d}'} (DCP shards: `llmrl export {out}` writes a model" in p.stderr
     return out
 
 
