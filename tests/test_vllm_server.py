@@ -407,9 +407,11 @@ def test_llmrl_serve_on_a_reachable_address_needs_a_chosen_key(host, tmp_path):
 def test_llmrl_serve_without_vllm_is_one_line(tmp_path):
     from helpers import run_cli
 
+    from llmrl.install import pip_install
+
     p = run_cli("serve", "--api_key_file", str(key_file(tmp_path)))
     assert p.returncode == 2 and p.stderr == ("llmrl: error: llmrl serve: the vllm package is not installed (`make vllm` "
-                                              "on CPU; pip install -e \".[vllm]\" on CUDA)\n")
+                                              f"on CPU; {pip_install('vllm')} on CUDA)\n")
 
 
 # ------------------------------------------------------------------------------- a stand-in server's replies

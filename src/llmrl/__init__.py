@@ -36,4 +36,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'llmrl' has no attribute {name!r}")
 
 
+def __dir__():
+    return sorted({*globals(), *_EXPORTS})
+
+
 __all__ = ["__version__", "evaluate", *_EXPORTS]

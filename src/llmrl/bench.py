@@ -33,6 +33,7 @@ from typing import Any
 
 from llmrl.config import bool_word
 from llmrl.errors import ConfigError
+from llmrl.install import pip_install
 
 # The cpu-bench config of SPEC.md: the repository's configs/cpu-bench.yaml (one copy, read at run time).
 CPU_BENCH_YAML = Path(__file__).resolve().parents[2] / "configs" / "cpu-bench.yaml"
@@ -51,7 +52,7 @@ def cpu_bench() -> dict[str, Any]:
 # (group_size, min_new_tokens, max_new_tokens): None = the config's min_new_tokens; min = max forces the length
 SWEEP = [(4, None, 24), (8, None, 24), (16, None, 24), (4, None, 64), (4, None, 128), (4, 128, 128), (4, 512, 512)]
 
-TRL_MISSING = 'TRL not installed: pip install "llmrl[bench]" (or run with --no_trl)'
+TRL_MISSING = f"TRL not installed: {pip_install('bench')} (or run with --no_trl)"
 N_PARAMS_NOTE = "all parameters of the base model (LoRA adapters excluded), embeddings included, tied embeddings once"
 
 
@@ -350,7 +351,8 @@ def run_bench(model: str | None = None, config: str | None = None, steps: int = 
     if rollout_engine not in SIDES_OF_ENGINE:
         raise ConfigError(f"--rollout_engine {rollout_engine}: must be one of {', '.join(SIDES_OF_ENGINE)}")
     if rollout_engine != "hf" and importlib.util.find_spec("vllm") is None:
-        raise ConfigError(f"--rollout_engine {rollout_engine}: vLLM is not installed (make vllm on CPU, pip install -e \".[vllm]\" on CUDA)")
+        raise ConfigError(f"--rollout_engine {rollout_engine}: vLLM is not installed (make vllm on CPU, "
+                          f"{pip_install('vllm')} on CUDA)")
     name, values = bench_values(config, model)
     if num_threads is not None:
         if num_threads < 0:

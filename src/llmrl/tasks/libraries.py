@@ -26,12 +26,14 @@ datasets, eval/<name>/score and eval/<name>/correct. pass@k counts full credit o
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import random
 import threading
 from typing import Any
 
 from llmrl.errors import ConfigError, DataError
+from llmrl.install import pip_install
 from llmrl.tasks.base import Example, Judgement, Reward, SeededSampling, mean_of
 from llmrl.tasks.env import Environment, Episode, Instances, OnRows, Turn
 from llmrl.tasks.workers import Pending, check_stuck, user_calls
@@ -48,7 +50,16 @@ def import_library(module: str):
         return importlib.import_module(module)
     except ImportError as e:
         raise ConfigError(f"task {module}:…: the {module} library is not installed ({e}); install it with "
-                          f"pip install \"llmrl[{EXTRAS.get(module, module)}]\"") from None
+                          + pip_install(EXTRAS.get(module, module))) from None
+
+
+def closest(name: str, known, exist: str = "exist", examples: str | None = None) -> str:
+    """`did you mean A or B? (N exist)` for an unknown name of a library's, else a few of the N known names."""
+    known = sorted(known)
+    near = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    if near:
+        return f"did you mean {' or '.join(near)}? {len(known)} {exist}"
+    return f"{len(known)} {exist}, e.g. {examples or ', '.join(known[:5])}"
 
 
 def is_library_task(name: str) -> bool:
@@ -81,8 +92,8 @@ class ReasoningGymTask(SeededSampling):
             raise ConfigError("task reasoning_gym:NAME[,NAME…]: name at least one dataset")
         unknown = [n for n in self.names if n not in rg.factory.DATASETS]
         if unknown:
-            raise ConfigError(f"task reasoning_gym: no dataset {unknown[0]!r} ({len(rg.factory.DATASETS)} exist, e.g. "
-                              f"{', '.join(sorted(rg.factory.DATASETS)[:5])})")
+            raise ConfigError(f"task reasoning_gym: no dataset {unknown[0]!r} "
+                              f"({closest(unknown[0], rg.factory.DATASETS)})")
         weights, configs = dict(weights or {}), dict(configs or {})
         if set(weights) - set(self.names) or set(configs) - set(self.names):
             raise ConfigError(f"task_args weights/configs name datasets outside {self.names}")
@@ -211,8 +222,9 @@ class TextArenaEnv(SeededGames, Environment):
         raw = f"{self.game_id}-raw"
         registry = self.ta.envs.registration.ENV_REGISTRY
         if self.game_id not in registry:
-            raise ConfigError(f"task textarena:{self.game_id}: no such game ({len(registry)} registered, e.g. "
-                              "GuessTheNumber-v0, TowerOfHanoi-v0, Minesweeper-v0)")
+            games = [g for g in registry if not g.endswith("-raw")]  # llmrl makes a game's -raw variant itself
+            hint = closest(self.game_id, games, "registered", "GuessTheNumber-v0, TowerOfHanoi-v0, Minesweeper-v0")
+            raise ConfigError(f"task textarena:{self.game_id}: no such game ({hint})")
         self.make_id = raw if raw in registry else self.game_id
         self.game_args = game_args
         self.rng = random.Random(seed)
@@ -310,8 +322,10 @@ class SkyRLGymEnv(OnRows, Environment):
         skyrl_gym = import_library("skyrl_gym")
         self.env_class = names.strip()
         if self.env_class not in skyrl_gym.registry:
-            raise ConfigError(f"task skyrl_gym:{self.env_class}: no such environment (registered: "
-                              f"{', '.join(sorted(skyrl_gym.registry))})")
+            near = difflib.get_close_matches(self.env_class, sorted(skyrl_gym.registry), n=3, cutoff=0.6)
+            raise ConfigError(f"task skyrl_gym:{self.env_class}: no such environment ("
+                              + (f"did you mean {' or '.join(near)}? " if near else "")
+                              + f"registered: {', '.join(sorted(skyrl_gym.registry))})")
         if data is None:
             raise ConfigError(f"task skyrl_gym:{self.env_class}: give its rows with --dataset (SkyRL's format: prompt, "
                               "reward_spec, optional env_class)")
