@@ -202,3 +202,22 @@ def test_a_manifest_must_list_what_a_checkpoint_needs(runs, tmp_path):
     assert verify_checkpoint(ckpt) == ".metadata is not in manifest.json"
     (ckpt / "manifest.json").write_text("[1, 2]")
     assert verify_checkpoint(ckpt) == "manifest.json is not a map of file names to sizes and hashes"
+
+
+def test_a_checkpoint_before_the_first_step_leaves_adam_without_state(tmp_path, tiny_model_dir):
+    """A run stopped at step 0 (its first eval's report could not be written) saves before AdamW has a state: the
+    save must not give it one (torch's get_state_dict does, by a zero step whose count 1 changes the next update),
+    and loading it leaves the resumed optimizer fresh, as the uninterrupted run's was."""
+    from transformers import AutoModelForCausalLM
+
+    from llmrl.training.fsdp import load_sharded, save_sharded
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    save_sharded(model, optimizer, tmp_path / "step0")
+    assert not optimizer.state
+    fresh = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    resumed = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    load_sharded(tmp_path / "step0", fresh, resumed)
+    assert not resumed.state
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))

@@ -344,6 +344,8 @@ def load_optimizer(path: Path, model, optimizer: torch.optim.Optimizer) -> None:
     if not by_name and not is_sharded(model):
         optimizer.load_state_dict(saved)
         return
+    if not saved.get("state"):  # saved before the first step: the fresh optimizer is that state (loading it through
+        return  # torch.distributed's set_optimizer_state_dict would first give AdamW a zero step, count 1)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     if not by_name:  # an unsharded run's: index i is the i-th trainable parameter

@@ -106,8 +106,18 @@ def full_state(model, optimizer) -> tuple[dict, dict] | None:
     import torch.distributed as tdist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+    if optimizer.state:
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+    else:  # before the first step: no AdamW state (get_state_dict would make one by a zero step: see save_sharded)
+        model_state = get_model_state_dict(model, options=options)
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        index = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+        optimizer_state = {"state": {}, "param_groups": [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]}
+            for g in optimizer.param_groups]} if names else {"state": {}, "param_groups": []}
     return (model_state, optimizer_state) if tdist.get_rank() == 0 else None
 
 
@@ -125,12 +135,17 @@ def held_bytes(params: list, optimizer) -> int:
 
 def save_sharded(model, optimizer, directory) -> None:
     """Every rank writes its shards of the model's weights and the optimizer's state into `directory` (DCP).
-    Every rank must call it; a failed write on any rank raises on all of them."""
+    Every rank must call it; a failed write on any rank raises on all of them. Before the first optimizer step (a
+    run stopped at step 0) only the weights: get_state_dict would first give AdamW a state by a zero-gradient step,
+    whose step count 1 would change the first real update after a resume."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(directory))
+    if optimizer.state:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(directory))
+    else:
+        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(directory))
 
 
 def load_sharded(directory, model, optimizer=None) -> None:
@@ -145,8 +160,10 @@ def load_sharded(directory, model, optimizer=None) -> None:
 
     from llmrl.dcp_files import failure_line, first_failure, planner, read_metadata, reader
 
-    read_metadata(Path(directory) / ".metadata")  # refused here, in one line, before DCP logs its own failure
+    metadata = read_metadata(Path(directory) / ".metadata")  # refused here, in one line, before DCP logs its failure
     no_dist = not (tdist.is_available() and tdist.is_initialized())
+    if not any(key.startswith("optimizer.") for key in metadata.state_dict_metadata):
+        optimizer = None  # saved before the first step (save_sharded): the optimizer starts fresh, as it was
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
     else:
