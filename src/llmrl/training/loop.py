@@ -18,7 +18,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from llmrl.checkpoint import checkpoint_dir, is_sharded_checkpoint, latest_checkpoint
+from llmrl.checkpoint import checkpoint_dir, latest_checkpoint
 from llmrl.config import TrainConfig, check_resume_config, preflight
 from llmrl.errors import EngineDied, RunStopped
 from llmrl.tasks import resume_command
@@ -141,7 +141,7 @@ def loop(run: Run) -> TrainResult:
                 break
     close_run(run)
     if run.dist.is_main and path is not None:
-        if is_sharded_checkpoint(path):  # DCP shards: from_pretrained cannot read them, export consolidates them
+        if run.plan.fsdp and run.plan.full:  # DCP shards (run.save): from_pretrained cannot read them, export can
             how = f"DCP shards: `llmrl export {run.dir}` writes a model AutoModelForCausalLM.from_pretrained loads"
         else:
             loader = "AutoModelForCausalLM.from_pretrained" if run.plan.full else "PeftModel.from_pretrained"
