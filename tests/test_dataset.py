@@ -151,8 +151,12 @@ def test_dataset_options_are_checked_in_one_line(tmp_path):
     (tmp_path / "rows.txt").write_text("x")
     with pytest.raises(DataError, match="unknown file type '.txt'"):
         task_from_config(load_config(None, {"dataset": str(tmp_path / "rows.txt")}))
-    with pytest.raises(DataError, match="could not load it"):
+    with pytest.raises(DataError, match="no such file"):  # a path, not a hub id: no hub round trip
         task_from_config(load_config(None, {"dataset": str(tmp_path / "missing_dir_or_hub_id")}))
+    with pytest.raises(DataError, match="no such file"):  # a data file's suffix, relative
+        task_from_config(load_config(None, {"dataset": "train_rows.parquet"}))
+    with pytest.raises(DataError, match="could not load it"):  # owner/name: the hub, unreachable here
+        task_from_config(load_config(None, {"dataset": "no-such-owner-xyz/no-such-data"}))
 
 
 @pytest.mark.slow

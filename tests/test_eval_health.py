@@ -104,3 +104,27 @@ def test_constant_reward_warns_no_spread_and_strict_health_stops_cleanly(tmp_pat
     assert p.returncode == 1 and "Traceback" not in p.stderr
     assert "strict_health" in p.stderr and (strict / "checkpoints" / "step_000003").is_dir()
     assert max(r["step"] for r in read_jsonl(strict / "metrics.jsonl")) == 3
+
+
+def test_a_run_whose_every_reward_call_fails_is_told_for_three_steps_in_a_row_only():
+    """reward/errors and rollout/completions are totals: the condition is this step's errors equal to this
+    step's completions (12 of 12), health_steps (3) steps in a row; 11 of 12 breaks the streak."""
+    from llmrl.config import TrainConfig
+    from llmrl.training.health import Health
+
+    cfg, health = TrainConfig(health_steps=3), Health()
+
+    def step(errors, completions):
+        return health.check(cfg, {"reward/errors": errors, "rollout/completions": completions,
+                                  "reward/min": 0.0, "reward/max": 0.5})
+
+    assert step(12, 12) == [] and step(24, 24) == []
+    assert step(35, 36) == []  # 11 of the step's 12 failed: one reward was read
+    assert step(47, 48) == [] and step(59, 60) == []  # two in a row
+    assert step(70, 72) == []  # 10 of 12: the streak starts again
+    assert step(82, 84) == [] and step(94, 96) == []
+    told = step(106, 108)
+    assert told == ["every reward call failed for 3 steps in a row (reward/errors 106): the run learns from errors "
+                    "scored 0, not from rewards; --strict_rewards stops at the first error and shows it"]
+    assert step(118, 120) == []  # told once while it lasts
+    assert Health(**vars(health)).totals == [118, 120]  # a resumed run counts its steps from the same totals

@@ -141,3 +141,19 @@ def test_dir_shows_the_lazy_api():
     for name in ("train", "load_config", "Environment"):
         assert getattr(llmrl, name) is not None
     assert set(llmrl.__all__) <= set(names)
+
+
+@pytest.mark.parametrize("mistake", __import__("mistakes").MISTAKES, ids=lambda m: m.what)
+def test_the_common_mistakes_replayed_through_the_cli_end_in_one_line_naming_the_fix(mistake):
+    """Each mistake of tests/mistakes.py as a user makes it (a subprocess, a fresh directory): no traceback, one
+    llmrl error or warning line, and that line names the fix."""
+    import os
+
+    import torch
+
+    from mistakes import replay
+
+    if "--nproc" in mistake.args and ((os.cpu_count() or 1) >= 3 or torch.cuda.is_available()):
+        pytest.skip("the --nproc mistake needs a CPU-only machine with fewer than 3 cores")
+    ok, line = replay(mistake)
+    assert ok, line

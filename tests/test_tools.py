@@ -263,3 +263,30 @@ def test_a_cut_reply_is_stepped_where_the_environment_scores_every_output(tiny_m
                                 seed=0, first_prompt=0, sampling=SAMPLING, limits=limits, eos=[2])
         assert ep.cut == "reply_tokens" and ep.truncated and ep.replies == 1 and ep.parts == parts
         assert [m["role"] for m in ep.transcript] == ["assistant"]
+
+
+def test_reset_text_follows_the_prompt_after_a_blank_line():
+    """What an environment_factory's reset returns is its own paragraph, not glued to the prompt's last word; a
+    side that already has whitespace there keeps it as it is."""
+    from llmrl.tasks.tools import joined
+
+    assert joined("Make the counter equal 7.", "Counter: 0") == "Make the counter equal 7.\n\nCounter: 0"
+    assert joined("Board:\n", "x.o") == "Board:\nx.o"
+    assert joined("Go.", " now") == "Go. now"
+    assert joined("", "Counter: 0") == "Counter: 0" and joined("Go.", "") == "Go."
+
+
+def test_the_start_line_names_the_tools_every_prompt_shows(tmp_path, tiny_model_dir):
+    """With --steps 2 the user still sees that the schemas reached the prompt: the tool names with their
+    arguments and the prompt tokens they add, counted from the template's own rendering."""
+    from llmrl.rollout.episodes import tools_line
+    from llmrl.rollout.prompts import text_ids
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = CHATML_TOOLS
+    env = counter_env(tmp_path)
+    hi = [{"role": "user", "content": "Hi."}]
+    extra = (len(text_ids(tok, tok.apply_chat_template(hi, tools=env.tool_schemas, tokenize=False, add_generation_prompt=True)))
+             - len(text_ids(tok, tok.apply_chat_template(hi, tokenize=False, add_generation_prompt=True))))
+    assert extra > 50  # two JSON schemas and the calling instructions
+    assert tools_line(tok, env.tool_schemas) == f"tools in every prompt: increment(amount), read_counter() (+{extra} prompt tokens)"

@@ -167,8 +167,8 @@ def test_a_reward_function_that_never_returns_scores_its_batches_0_counted_and_t
     """A TRL reward function with `while True: pass`: each batch's call is killed at user_code_timeout, its
     completions score 0 and are counted (reward/errors, eval/reward_errors), once each (no call per completion
     after the batch's), and the run ends normally: no traceback."""
-    rows = rows_file(tmp_path / "rows.jsonl", [{"prompt": f"Say {w}.", "level": k} for k, w in enumerate("abcdef")])
-    out = tmp_path / "run"
+    rows = rows_file(tmp_path / "rows.jsonl", [{"prompt": f"Say {w}.", "level": k} for k, w in enumerate("abcdefghij")])
+    out = tmp_path / "run"  # 10 rows: eval's 2 are the 20% a hold-out may take
     t0 = time.monotonic()
     p = run_cli(*tiny_args(tiny_model_dir, out, "grpo", steps=1, task="dataset", eval_n=2, eval_interval=0),
                 "--dataset", str(rows), "--reward_funcs", f"{code}:stuck", "--user_code_timeout", str(LIMIT))

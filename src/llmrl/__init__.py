@@ -5,6 +5,10 @@
     result = train(cfg)                      # TrainResult: model, tokenizer, run_dir, last_metrics, adapter
     metrics, rows = evaluate(cfg, result.model, result.tokenizer)
 
+A reward function may be given as itself (TRL's signature; llmrl.rewards holds common ones):
+
+    cfg = load_config(None, {"dataset": "rows.jsonl", "reward_funcs": [my_reward, llmrl.rewards.accuracy]})
+
 Names are imported on first use, so `import llmrl` stays light (no torch until needed).
 """
 
@@ -16,6 +20,7 @@ _EXPORTS = {
     "Example": "llmrl.tasks", "Reward": "llmrl.tasks", "Task": "llmrl.tasks", "TASKS": "llmrl.tasks",
     "register_reward": "llmrl.tasks", "make_task": "llmrl.tasks", "register_env": "llmrl.tasks",
     "Environment": "llmrl.tasks", "Episode": "llmrl.tasks", "Turn": "llmrl.tasks",
+    "rewards": "llmrl.rewards",  # a module: reward functions with TRL's signature
 }
 
 
@@ -32,7 +37,8 @@ def __getattr__(name: str):
     if name in _EXPORTS:
         import importlib
 
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
+        module = importlib.import_module(_EXPORTS[name])
+        return module if _EXPORTS[name] == f"{__name__}.{name}" else getattr(module, name)
     raise AttributeError(f"module 'llmrl' has no attribute {name!r}")
 
 

@@ -220,13 +220,16 @@ def resume_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    cfg = resume_config(args) if args.resume else load_config(args.config, overrides_from(args))
+    notes: list[str] = []  # load_config's CPU shapes line, printed by the run once its data has loaded
+    cfg = resume_config(args) if args.resume else load_config(args.config, overrides_from(args), notes=notes)
     preflight(cfg)  # before the training stack is imported: a missing vLLM or an unreachable hub fails in seconds
     from llmrl.training.loop import train
 
-    result = train(cfg, resume=bool(args.resume), overwrite=args.overwrite)
+    result = train(cfg, resume=bool(args.resume), overwrite=args.overwrite, start_lines=notes)
     if os.environ.get("RANK", "0") == "0" and result.last_metrics:  # one summary, from rank 0
         print(json.dumps({k: v for k, v in result.last_metrics.items() if k.startswith(("reward/mean", "eval/"))}))
+    if result.stopped_by:  # saved and resumable, but not the run asked for: make, shells and schedulers see it
+        return 128 + signal.Signals[result.stopped_by].value
     return 0
 
 
@@ -254,11 +257,11 @@ def adapter_base(adapter: Path, overrides: dict[str, Any]) -> tuple[Path | None,
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    import torch
-
     from llmrl.checkpoint import is_full_checkpoint, latest_checkpoint, load_policy_weights
-    from llmrl.config import resolve
+    from llmrl.config import TRAINED_DTYPE, evaluation, recorded_dtype
+    from llmrl.models.loading import pick_device
     from llmrl.tasks import check_task_code, task_from_config
+    from llmrl.threads import start_threads
     from llmrl.training.run import build_policy, eval_policy
 
     overrides = overrides_from(args)
@@ -280,17 +283,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if adapter is not None and not (adapter / "adapter_config.json").exists() and not is_full_checkpoint(adapter):
         raise ConfigError(f"--adapter {adapter}: neither an adapter (adapter_config.json) nor full weights "
                           "(model.safetensors) there")
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
+    start_threads(cfg.num_threads, on_cpu=pick_device(cfg.device).type == "cpu")  # before resolve (llmrl/threads.py)
     preflight(cfg)
-    plan = dataclasses.replace(resolve(cfg), with_ref=False)  # eval has no KL term: no reference copy
+    recorded = (recorded_dtype(str(adapter)) or TRAINED_DTYPE) if adapter is not None else recorded_dtype(cfg.model)
+    cfg, plan, precision = evaluation(cfg, overrides.get("dtype"), recorded)
+    print(f"llmrl: {precision}", file=sys.stderr, flush=True)
     model, tokenizer, _ = build_policy(cfg, plan)
     if adapter is not None:
         load_policy_weights(adapter, model)
     task = task_from_config(cfg)
-    if adapter is None and not plan.full:  # the base model: LoRA off
+    if adapter is None and not plan.full:  # the base model: LoRA off, nothing to merge
         with model.disable_adapter():
-            metrics, rows = eval_policy(cfg, model, tokenizer, task, plan=plan)
+            metrics, rows = eval_policy(cfg, model, tokenizer, task, plan=dataclasses.replace(plan, merge_lora=False))
     else:
         metrics, rows = eval_policy(cfg, model, tokenizer, task, plan=plan)
     if args.output:
@@ -404,12 +408,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train" and args.dry_run:
             from llmrl.memory_plan import dry_run
 
-            cfg = resume_config(args) if args.resume else load_config(args.config, overrides_from(args))
+            notes: list[str] = []
+            cfg = resume_config(args) if args.resume else load_config(args.config, overrides_from(args), notes=notes)
+            if notes:
+                print("\n".join(notes), file=sys.stderr)
             print("\n".join(dry_run(cfg, max(args.nproc, 1) * max(args.nnodes, 1))))
             return 0
         if args.command == "train" and (args.nproc != 1 or args.nnodes != 1) and "WORLD_SIZE" not in os.environ:
             # report a bad config (or a run dir's untrusted task code) before starting N processes
-            cfg = resume_config(args) if args.resume else load_config(args.config, overrides_from(args))
+            cfg = resume_config(args) if args.resume else load_config(args.config, overrides_from(args), notes=[])
             world = max(args.nproc, 1) * max(args.nnodes, 1)
             if cfg.batch_size % world:
                 raise ConfigError(f"batch_size={cfg.batch_size}: must be divisible by the {world} processes "

@@ -43,14 +43,15 @@ def doc(default: Any, help: str, **kw: Any) -> Any:
 class TrainConfig:
     # what to train
     model: str = doc("Qwen/Qwen2.5-Math-1.5B-Instruct", "hub id, local HF directory, .gguf file, or alias smollm2-135m-instruct")
-    task: str = doc("format_copy", "task: format_copy, math_hard, a registered reward, module:Name / file.py:Name (class or reward function), LIBRARY:NAME, or a,b (a weighted mixture: task_args weights)")
+    task: str = doc("format_copy", "task: format_copy, math_hard, a registered reward, module:Name / file.py:Name (class or reward function; from Python also the class or function), LIBRARY:NAME, or a,b (a weighted mixture: task_args weights)")
     dataset: str | None = doc(None, "questions and answers to train on (task dataset, implied): a JSONL/Parquet/CSV "
                                     "file, a directory of them, or a hub id")
     dataset_config: str | None = doc(None, "the hub dataset's configuration (e.g. main for openai/gsm8k)")
     dataset_split: str = doc("train", "the dataset's training split")
     eval_split: str | None = doc(None, "the dataset's eval split (default: eval_holdout rows held out of the "
                                        "training split by the seed)")
-    eval_holdout: int = doc(64, "rows held out of the training split for eval when there is no eval_split")
+    eval_holdout: int = doc(64, "rows held out of the training split for eval when there is no eval_split (at most "
+                                "a fifth of its rows, leaving one batch to train on where it can)")
     prompt_field: str | None = doc(None, "the dataset's prompt column, text or chat messages (default: the first of "
                                          "prompt, question, problem, input, query)")
     answer_field: str | None = doc(None, "the dataset's answer column (default: the first of answer, solution, gold, "
@@ -58,10 +59,12 @@ class TrainConfig:
     system_prompt: str = doc("auto", "the dataset's system message: auto (the grader's, asking for a \\boxed{} answer), "
                                      "none (no system message), or the text")
     grader: str = doc("math", "how a dataset's answers are graded: math (math-verify), number or exact")
-    reward_funcs: list[str] = doc([], "TRL-signature reward functions file.py:f or module:f that score the dataset "
-                                      "instead of the grader (comma-separated)")
+    reward_funcs: list[str] = doc([], "TRL-signature reward functions f(prompts, completions, **columns) -> "
+                                      "list[float | None], file.py:f or module:f (from Python also the functions), "
+                                      "that score the dataset instead of the grader (comma-separated)")
     reward_weights: list[str] = doc([], "a weight per reward function (comma-separated; default 1 each)")
-    environment_factory: str | None = doc(None, "a TRL environment_factory class file.py:Cls or module:Cls run on the "
+    environment_factory: str | None = doc(None, "a TRL environment_factory class file.py:Cls or module:Cls (from Python "
+                                                "also the class) run on the "
                                                 "dataset's rows: reset(**row), its public methods the tools (task "
                                                 "dataset, implied)")
     chat_template: str | None = doc(None, "the chat template to use instead of the model's: a Jinja file, or a built-in "
@@ -385,6 +388,8 @@ def convert(name: str, value: Any) -> Any:
     """Convert a YAML or CLI value to the field's type, or raise ConfigError."""
     if name not in FIELDS:
         raise ConfigError(f"unknown config key '{name}'")
+    if name in CODE_FIELDS:
+        value = code_value(name, value)
     hint = _HINTS[name]
     optional = type(None) in typing.get_args(hint)
     if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null", "")):
@@ -416,6 +421,29 @@ def convert(name: str, value: Any) -> Any:
         raise ConfigError(f"{name}: expected {tp.__name__}, got {value!r}") from None
 
 
+CODE_FIELDS = ("task", "reward_funcs", "environment_factory")  # code: a spec, or from Python the callable itself
+
+
+def code_value(name: str, value: Any) -> Any:
+    """A code field's value with each callable given from Python (a function, a class; in reward_funcs one or a list
+    of them beside specs) as the spec the config holds for it (tasks/custom.py: python_spec); two callables with one
+    spec in one list are refused (their logs would mix, and one would stand for both)."""
+    items = value if name == "reward_funcs" and isinstance(value, (list, tuple)) else [value]
+    if not any(callable(x) and not isinstance(x, str) for x in items):
+        return value
+    from llmrl.tasks.custom import python_spec
+
+    specs, given = [], {}
+    for x in items:
+        if callable(x) and not isinstance(x, str):
+            spec = python_spec(x)
+            if given.setdefault(spec, x) is not x:
+                raise ConfigError(f"{name}: two callables are both {spec}; give each its own name (def ...)")
+            x = spec
+        specs.append(x)
+    return specs if name == "reward_funcs" else specs[0]
+
+
 def json_mapping(name: str, value: Any) -> dict[str, Any]:
     """A mapping from YAML, or from a JSON object on the command line, with text keys; else ConfigError."""
     if isinstance(value, str):
@@ -426,6 +454,16 @@ def json_mapping(name: str, value: Any) -> dict[str, Any]:
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
         raise ConfigError(f"{name}: expected a mapping of names to values, got {value!r}"[:300])
     return dict(value)
+
+
+def near_task(name: str) -> str:
+    """"did you mean format_copy? " for a misspelt built-in task name, else ""."""
+    import difflib
+
+    from llmrl.tasks import TASKS
+
+    near = difflib.get_close_matches(name, list(TASKS), n=2, cutoff=0.75)
+    return f"did you mean {' or '.join(near)}? " if near else ""
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -496,7 +534,8 @@ def validate(cfg: TrainConfig) -> None:
     task_file = cfg.task if cfg.task.endswith(".py") else cfg.task.rpartition(":")[0]
     rule(not task_file.endswith(".py") or Path(task_file).is_file(), "task", f"no such file: {task_file}")
     rule(not cfg.task.endswith(".py"), "task", f"name the class or function in it too: {cfg.task}:Name")
-    rule(is_task_name(cfg.task), "task", f"unknown task (known: {', '.join(TASKS)}, or package.module:Name, file.py:Name)")
+    rule(is_task_name(cfg.task), "task", f"unknown task ({near_task(cfg.task)}known: {', '.join(TASKS)}, or "
+         "package.module:Name, file.py:Name)")
     rule(cfg.prompts is None or Path(cfg.prompts).is_file(), "prompts", "no such file")
     rule(cfg.algo in LOSSES, "algo", f"unknown algorithm (known: {', '.join(LOSSES)})")
     rule(cfg.adv_estimator in ADVANTAGE_ESTIMATORS, "adv_estimator", f"unknown estimator (known: {', '.join(ADVANTAGE_ESTIMATORS)})")
@@ -631,8 +670,40 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
-    """Defaults ← YAML file ← overrides, converted, then validated."""
+# A --dataset run on CPU without a config file: configs/quickstart.yaml's 4 prompts × 4 completions, with room for a
+# worked answer (the defaults are the seed's GPU shapes: 8 × 6 × 512 tokens took a 2-core CPU over 15 minutes a step)
+CPU_DATASET_SHAPES = {"batch_size": 4, "group_size": 4, "max_new_tokens": 128, "eval_n": 16, "eval_holdout": 16}
+
+
+def cpu_dataset_shapes(values: dict[str, Any], has_cuda: Any) -> dict[str, Any]:
+    """The CPU_DATASET_SHAPES fields a --dataset run takes on CPU: those not in `values` (the config's given fields);
+    {} for another task or a run on a GPU. `has_cuda()`: whether device auto finds one (asked only when needed)."""
+    if values.get("task") != "dataset" or not values.get("dataset"):
+        return {}
+    device = str(values.get("device", "auto"))
+    if device.startswith("cuda") or device == "auto" and has_cuda():
+        return {}
+    return {k: v for k, v in CPU_DATASET_SHAPES.items() if k not in values}
+
+
+def cpu_shapes_line(filled: dict[str, Any]) -> str:
+    """The one start-up line saying which CPU shapes a --dataset run took (cpu_dataset_shapes)."""
+    return (f"llmrl: CPU defaults for --dataset: {', '.join(f'{k} {v}' for k, v in filled.items())} "
+            "(configs/quickstart.yaml's 4 prompts × 4 completions, room for a worked answer); give --config or these "
+            "flags to change")
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None, *,
+                notes: list[str] | None = None) -> TrainConfig:
+    """Defaults ← YAML file ← overrides, converted, then validated. Given `notes` (llmrl train), a --dataset run
+    without a config file takes CPU_DATASET_SHAPES on CPU for the fields not given, and the line saying so is
+    appended to `notes` (the run prints it once its data has loaded: an error in the data stays one line)."""
     values: dict[str, Any] = {}
     for source, where in ((read_yaml(path) if path else {}, f"config file '{path}': "), (overrides or {}, "")):
         source = {str(key).replace("-", "_"): value for key, value in source.items()}
@@ -645,8 +716,11 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         values["task"] = "dataset"  # --dataset (or --environment_factory) alone names the task
     if values.get("environment_factory") and not values.get("dataset") and values.get("prompts"):
         values["dataset"] = values.pop("prompts")  # an environment's rows may come from a prompts file
-    cfg = TrainConfig(**values)
+    filled = cpu_dataset_shapes(values, cuda_available) if notes is not None and not path else {}
+    cfg = TrainConfig(**values | filled)
     validate(cfg)
+    if filled:
+        notes.append(cpu_shapes_line(filled))
     return cfg
 
 
@@ -766,3 +840,58 @@ def resolve(cfg: TrainConfig) -> Plan:
         full=full, autocast=autocast, fsdp=fsdp,
         world_size=launched_world_size(),
     )
+
+
+TRAINED_DTYPE = "float32"  # the precision a run's trained weights are evaluated in: a LoRA adapter merged into its base
+#   in fp32, exactly as `llmrl export --merge` merges it (bf16 products of W + ΔW round away much of a small ΔW:
+#   models/lora.py:merge_is_exact), full weights as the fp32 master weights they are
+PRECISION_FILE = "llmrl.json"  # in an exported model directory: {"dtype": the precision its weights are evaluated in}
+
+
+def precision_rule(named: str | None, recorded: str | None, configured: str) -> tuple[str, str | None]:
+    """The one precision rule for weights being evaluated (`llmrl eval --run / --adapter / --base`, `chat`, export's
+    check): (dtype setting, the precision line every one of them prints; None: the plan's, `pick_dtype`'s). A dtype
+    named on this command line wins; else the one recorded with the weights: a run's checkpoint or any adapter holds
+    trained weights (TRAINED_DTYPE), an exported directory its llmrl.json; else the configured one (`auto` for a
+    model nobody recorded: on CPU bf16 products where they measure faster). So `eval --run` of a run and
+    `eval --base --model` of its export compute the same products and print the same line."""
+    if named:
+        return named, None
+    if recorded:
+        return recorded, (f"precision: {recorded} (recorded with the trained weights: as `llmrl export --merge` "
+                          "writes them, a LoRA adapter merged into the base in fp32)")
+    return configured, None
+
+
+def recorded_dtype(model: str) -> str | None:
+    """The dtype recorded in a model directory's llmrl.json (an export's), or None (no record: a hub id, an alias,
+    a directory not exported by llmrl)."""
+    record = Path(model) / PRECISION_FILE
+    if not record.is_file():
+        return None
+    try:
+        dtype = json.loads(record.read_text())["dtype"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ConfigError(f"{record}: not a readable llmrl precision record (expected {{\"dtype\": ...}})") from None
+    if dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"{record}: dtype {dtype!r}: must be float32 or bfloat16")
+    return dtype
+
+
+def exported_dtype(saved: str) -> str:
+    """The precision an export whose weights were saved in `saved` records (llmrl.json): that dtype, but float16
+    weights are evaluated in float32 (every fp16 value is exact in fp32; llmrl computes in fp32 or bf16 only)."""
+    return "float32" if saved == "float16" else saved
+
+
+def evaluation(cfg: TrainConfig, named: str | None, recorded: str | None) -> tuple[TrainConfig, Plan, str]:
+    """(config, plan, precision line) that evaluate weights under `precision_rule`, without a reference copy;
+    trained LoRA weights are merged (in fp32, as export merges them) wherever their base is multiplied in fp32."""
+    dtype, line = precision_rule(named, recorded, cfg.dtype)
+    cfg = dataclasses.replace(cfg, dtype=dtype)
+    plan = resolve(cfg)  # merged_lora merges only layers multiplied in fp32 (models/lora.py:merge_is_exact)
+    merge = not plan.full and not plan.fsdp  # whatever the run's speed switches (fast, merge_lora_sampling) said
+    # trained weights: F.linear on both sides (a full run's weights are never packed, an export's would be, and
+    # oneDNN's packed kernel rounds differently: ~1e-6, enough to flip a near-tie of greedy decoding)
+    plan = dataclasses.replace(plan, onednn_linear=plan.onednn_linear and not recorded)
+    return cfg, dataclasses.replace(plan, with_ref=False, merge_lora=merge), line or plan.precision

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from llmrl.config import PRECISION_FILE, TRAINED_DTYPE, evaluation, exported_dtype
 from llmrl.errors import ConfigError
 from llmrl.model_card import model_card
 from llmrl.run_files import CONFIG
@@ -56,10 +57,12 @@ def export(path: Path, out: Path, merge: bool = False, dtype: str = "float32", c
     """Write a portable adapter (or, with `merge`, a full model) of a run or checkpoint to `out`.
 
     The merge is W + s·B·A in fp32 whatever precision the run trained in (merging into bf16 weights
-    rounds away small adapter deltas), then cast to `dtype`; afterwards the saved model is loaded back
-    and its greedy completions of `check` eval prompts compared with the unmerged policy's (printed;
-    with dtype bfloat16/float16 the cast itself may change some). The check's prompts come from `task` (default:
-    the run's; task code the run names is imported only with `trust_task_code`: tasks.check_task_code)."""
+    rounds away small adapter deltas), then cast to `dtype`; llmrl.json records the precision the merged
+    weights are evaluated in (config.precision_rule: `llmrl eval --base --model OUT` then computes what
+    `llmrl eval --run` computes). Afterwards the saved model is loaded back and its greedy completions of
+    `check` eval prompts compared with the trained policy's, as llmrl evaluates it (printed; with dtype
+    bfloat16/float16 the cast itself may change some). The check's prompts come from `task` (default: the
+    run's; task code the run names is imported only with `trust_task_code`: tasks.check_task_code)."""
     from llmrl.tasks import check_task_code
 
     checkpoint, run_dir = find_checkpoint(path)
@@ -77,21 +80,25 @@ def export(path: Path, out: Path, merge: bool = False, dtype: str = "float32", c
     if merge:
         import torch
 
-        model, tokenizer = load_policy(dataclasses.replace(cfg, dtype="float32"), checkpoint)
+        model, tokenizer, _, precision = load_policy(cfg, checkpoint)
+        print(f"llmrl: {precision}", file=sys.stderr, flush=True)
+        merged = model if cfg.finetune == "full" else model.merge_and_unload()  # the weights `eval --run` evaluates
         prompts = check_prompts(prompts_cfg, check)
-        before = greedy_texts(model, tokenizer, prompts, cfg.max_new_tokens)
-        merged = (model if cfg.finetune == "full" else model.merge_and_unload()).to(getattr(torch, dtype))
+        before = greedy_texts(merged, tokenizer, prompts, cfg.max_new_tokens)
+        merged = merged.to(getattr(torch, dtype))
         merged.save_pretrained(out)
         tokenizer.save_pretrained(out)
+        evaluated = exported_dtype(dtype)
+        (out / PRECISION_FILE).write_text(json.dumps({"dtype": evaluated}) + "\n")
         if prompts:
             from transformers import AutoModelForCausalLM
 
-            reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=getattr(torch, dtype), use_safetensors=True,
+            reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=getattr(torch, evaluated), use_safetensors=True,
                                                             trust_remote_code=False).to(merged.device)
             after = greedy_texts(reloaded, tokenizer, prompts, cfg.max_new_tokens)
             same = sum(a == b for a, b in zip(before, after))
-            print(f"llmrl export: greedy check: {same}/{len(prompts)} eval prompts give the "
-                  f"{'trained' if cfg.finetune == 'full' else 'unmerged'} policy's completion ({dtype} weights)", file=sys.stderr)
+            print(f"llmrl export: greedy check: {same}/{len(prompts)} eval prompts give the trained policy's "
+                  f"completion ({dtype} weights, evaluated in {evaluated})", file=sys.stderr)
     else:
         shutil.copy(checkpoint / "adapter_model.safetensors", out / "adapter_model.safetensors")
         config = json.loads((checkpoint / "adapter_config.json").read_text())
@@ -100,6 +107,9 @@ def export(path: Path, out: Path, merge: bool = False, dtype: str = "float32", c
     state = checkpoint / "trainer_state.json"
     step = json.loads(state.read_text())["step"] if state.is_file() else "?"
     (out / "README.md").write_text(model_card(cfg, step, run_dir, merge), encoding="utf-8")
+    mode = (out / "README.md").stat().st_mode & 0o777  # 0666 less the umask, as open() made it
+    for weights in out.glob("*.safetensors"):  # safetensors writes 0600 files (and copy keeps the checkpoint's)
+        weights.chmod(mode)
     return out
 
 
@@ -128,16 +138,16 @@ def greedy_texts(model, tokenizer, prompts: list[list[dict[str, str]]], max_new_
 
 
 def load_policy(cfg, checkpoint: Path):
-    """(policy with the checkpoint's adapter or full weights, tokenizer) on the config's device, plain kernels."""
+    """(policy with the checkpoint's adapter or full weights, tokenizer, its plan, precision line) on the config's
+    device, in the precision of trained weights (config.precision_rule), plain kernels."""
     from llmrl.checkpoint import load_policy_weights
-    from llmrl.config import resolve
     from llmrl.training.run import build_policy
 
-    plan = dataclasses.replace(resolve(cfg), onednn_linear=False, hash_dropout=False, fuse_lora=False,  # plain linears:
-                               with_ref=False)  # mergeable, exportable; no reference copy of full weights
-    model, tokenizer, _ = build_policy(cfg, plan)
+    cfg, plan, precision = evaluation(cfg, None, TRAINED_DTYPE)
+    plan = dataclasses.replace(plan, onednn_linear=False, hash_dropout=False, fuse_lora=False)  # plain linears:
+    model, tokenizer, _ = build_policy(cfg, plan)  # mergeable, exportable
     load_policy_weights(checkpoint, model)
-    return model.eval(), tokenizer
+    return model.eval(), tokenizer, plan, precision
 
 
 def chat(path: Path, task: str | None = None, max_new_tokens: int = 256, lines=None, write=print,
@@ -145,7 +155,6 @@ def chat(path: Path, task: str | None = None, max_new_tokens: int = 256, lines=N
     """Read user messages (one per line, from `lines` or stdin) and print the policy's greedy replies,
     with the task's system prompt when it has one. Each turn is a fresh conversation. Task code the run
     names is imported only with `trust_task_code` or `task` (tasks.check_task_code)."""
-    from llmrl.config import resolve
     from llmrl.rollout import make_engine
     from llmrl.rollout.base import Sampling
     from llmrl.rollout.episodes import one_turn
@@ -154,14 +163,15 @@ def chat(path: Path, task: str | None = None, max_new_tokens: int = 256, lines=N
     checkpoint, run_dir = find_checkpoint(path)
     cfg = load_run_config(run_dir, {"task": task} if task else {})
     check_task_code(cfg, run_dir, trust_task_code or bool(task))
-    model, tokenizer = load_policy(cfg, checkpoint)
+    model, tokenizer, plan, precision = load_policy(cfg, checkpoint)
+    print(f"llmrl: {precision}", file=sys.stderr, flush=True)
     system = None
     try:
         example = task_from_config(cfg).eval_examples(1)[0]
         system = next((m["content"] for m in example.messages if m["role"] == "system"), None)
     except Exception:  # noqa: BLE001 - no data for the task here: chat without its system prompt
         pass
-    engine = make_engine(cfg, resolve(cfg), tokenizer)
+    engine = make_engine(cfg, plan, tokenizer)
     engine.load(model, 0)
     sampling = Sampling(temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0, min_new_tokens=0,
                         max_new_tokens=max_new_tokens, max_prompt_tokens=cfg.max_prompt_tokens)  # greedy replies

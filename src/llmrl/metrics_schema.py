@@ -63,7 +63,8 @@ METRICS: dict[str, Metric] = {
                    "the step it followed, 0 for the eval of the untrained policy before step 1."),
     "warnings": Metric("list", "a health check fired", "The health warnings this step raised, one line each "
                        "(truncation, no reward spread, constant reward, train/kl over health_max_kl, train/clip_frac "
-                       "over health_max_clip_frac: training/health.py); absent when there are none."),
+                       "over health_max_clip_frac: training/health.py; once per run, on a step or an eval record, a "
+                       "dataset grader that found no answer in most completions); absent when there are none."),
     # --- reward/: llmrl's own
     "reward/mean": Metric("mean", EVERY_STEP, "Mean reward of the step's completions (the task's reward plus the "
                           "shaping terms reward/overlong and reward/kl_penalty), the advantages' input."),

@@ -65,7 +65,7 @@ Last eval of the run:
 |---|---|
 {eval_lines}
 
-Command: `llmrl train --config {run_dir / CONFIG}` (the run's resolved config).
+Command: `llmrl train --config {CONFIG}` (the run's resolved config, {CONFIG} in its run directory).
 
 Use:
 

@@ -263,7 +263,8 @@ def packing_pays_for(model: nn.Module) -> tuple[bool, str]:
 
     The verdict is measured once per machine, shape and torch build and kept in the llmrl cache
     (`kernels.json`), so every run here (a resumed one, a rerun, the reference of a comparison)
-    makes the same choice and computes the same numbers; delete the file to measure again."""
+    makes the same choice and computes the same numbers; delete the file to measure again (a verdict measured
+    under load is provisional: `_cached_verdict`)."""
     weight: Counter = Counter()
     for m in packable_linears(model):
         weight[tuple(m.weight.shape)] += m.weight.numel()
@@ -271,7 +272,7 @@ def packing_pays_for(model: nn.Module) -> tuple[bool, str]:
     v = packing_verdict(shape)
     measured = ", ".join(f"{k} {r:.0f}" for k, r in v["gflops"].items()) or "no oneDNN"
     return v["pays"], (f"frozen linears: {'oneDNN packed' if v['pays'] else 'F.linear'} (measured on {shape}: "
-                       f"{measured} GFLOP/s; {_verdicts_path()})")
+                       f"{measured} GFLOP/s; {_verdicts_path()}){_verdict_note(v)}")
 
 
 def packing_verdict(shape: tuple[int, int]) -> dict:
@@ -281,15 +282,33 @@ def packing_verdict(shape: tuple[int, int]) -> dict:
 
 def _cached_verdict(what: str, measure) -> dict:
     """{"pays", "gflops"} of a kernel comparison on this machine (CPU model, torch build, threads):
-    measured by `measure() -> (pays, rates)` the first time, read from `kernels.json` after."""
+    measured by `measure() -> (pays, rates)` the first time, read from `kernels.json` after. Other processes'
+    load is read first (`llmrl.threads.measure_others`, 0.3 s): a verdict measured while they use over
+    LOADED_CORES is kept marked "provisional" (with "others": their cores), reused by runs under load, and
+    measured again by the next quiet run, which keeps its verdict for good."""
+    from llmrl.threads import LOADED_CORES, measure_others
+
     path = _verdicts_path()
     key = f"{_cpu_name()}|torch {torch.__version__}|{torch.get_num_threads()} threads|{what}"
     verdicts = _read_json(path)
-    if key not in verdicts:
-        pays, rates = measure()
-        verdicts[key] = {"pays": pays, "gflops": {k: round(v, 1) for k, v in rates.items()}}
-        _write_json(path, verdicts)
+    if key in verdicts and not verdicts[key].get("provisional"):
+        return verdicts[key]
+    reading = measure_others()
+    loaded = reading is not None and reading[0] > LOADED_CORES
+    if key in verdicts and loaded:
+        return verdicts[key]  # still under load: the same provisional verdict as the runs before
+    pays, rates = measure()
+    verdicts[key] = {"pays": pays, "gflops": {k: round(v, 1) for k, v in rates.items()}}
+    if loaded:
+        verdicts[key] |= {"provisional": True, "others": round(reading[0], 1)}
+    _write_json(path, verdicts)
     return verdicts[key]
+
+
+def _verdict_note(v: dict) -> str:
+    """What a line adds for a verdict measured under load (nothing for a kept one)."""
+    return (f" (measured under load, other processes using {v.get('others', '?')} cores: provisional, a quiet run "
+            "measures again)") if v.get("provisional") else ""
 
 
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of a native bf16 multiply unit
@@ -345,7 +364,7 @@ def cpu_auto_precision() -> tuple[bool, str]:
     v = _cached_verdict("bf16 vs fp32 1536x576", bf16_pays)
     rates = ", ".join(f"{k} {r:.0f}" for k, r in v["gflops"].items())
     return v["pays"], (f"precision: {BF16_MATMULS if v['pays'] else 'float32'} ({'+'.join(flags)}; measured F.linear "
-                       f"{rates} GFLOP/s; {_verdicts_path()})")
+                       f"{rates} GFLOP/s; {_verdicts_path()}){_verdict_note(v)}")
 
 
 def _verdicts_path():

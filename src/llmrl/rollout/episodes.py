@@ -116,6 +116,18 @@ def shows_tools(tokenizer, tools: list[dict]) -> bool:
             != tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
 
 
+def tools_line(tokenizer, tools: list[dict]) -> str:
+    """One line saying which tools every prompt shows and what their schemas cost: "tools in every prompt:
+    increment(amount), read_counter() (+187 prompt tokens)" (the template's rendering with and without them)."""
+    messages = [{"role": "user", "content": "Hi."}]
+    extra = (len(text_ids(tokenizer, tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                                   add_generation_prompt=True)))
+             - len(text_ids(tokenizer, tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))))
+    names = [f"{t['function']['name']}({', '.join(t['function'].get('parameters', {}).get('properties', {}))})"
+             for t in tools if isinstance(t, dict) and "function" in t]
+    return f"tools in every prompt: {', '.join(names)} (+{extra} prompt tokens)"
+
+
 def check_template(tokenizer, end_text: str, tools: list[dict] | None = None) -> None:
     """Start-up check for environments: the template renders k turns as a prefix of k + 1 (two deltas; with
     tools, of tool results as the environment's messages)."""
@@ -375,6 +387,8 @@ def episode_runner(cfg, env, tokenizer, eos: list[int], device: torch.device | s
         print("llmrl: warning: the chat template does not show tools (rendering with tools= changes nothing): the "
               "model never sees the tools' schemas; use a template with tools (--chat_template chatml-tools for "
               "ChatML models, or --chat_template FILE)", file=sys.stderr)
+    elif tools:
+        print(f"llmrl: {tools_line(tokenizer, tools)}", file=sys.stderr)
     if turns > 1:
         end_text = tokenizer.decode([end_of_turn(tokenizer, eos or [tokenizer.eos_token_id])])
         check_template(tokenizer, end_text, tools)

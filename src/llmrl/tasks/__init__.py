@@ -10,7 +10,8 @@ from typing import Any
 from llmrl.errors import ConfigError, DataError, UserError
 from llmrl.tasks.base import Example, Reward, Task
 from llmrl.tasks.calculator import CalculatorEnv
-from llmrl.tasks.custom import REWARD_FUNCTIONS, FunctionTask, build_custom, construct, register_reward, user_object
+from llmrl.tasks.custom import (REWARD_FUNCTIONS, FunctionTask, build_custom, construct, is_python_marker, marker_name,
+                                python_object, register_reward, user_object)
 from llmrl.tasks.dataset import DatasetTask
 from llmrl.tasks.env import Environment, Episode, Turn, is_environment
 from llmrl.tasks.format_copy import FormatCopyTask
@@ -75,9 +76,28 @@ def task_from_config(cfg) -> Task:
     from llmrl.tasks.workers import UserCalls
 
     calls = UserCalls(cfg.user_code_timeout, cfg.env_isolation, cfg.env_timeout)
+    check_python_objects(cfg, str(Path(cfg.output_dir) / "config.yaml"))  # where a config holding one comes from
     task = _task_from_config(cfg, calls)
     give_user_calls(task, calls)
+    data = task if isinstance(task, DatasetTask) else getattr(task, "data", None)
+    if isinstance(data, DatasetTask):  # its reward functions tried on one row, within the run's limit
+        data.check_functions(environments=data is not task)
     return task
+
+
+def python_markers(cfg) -> list[tuple[str, str]]:
+    """(field, spec) of each callable a config was given from Python that no name imports (tasks/custom.py:
+    python_spec's markers)."""
+    named = [("task", cfg.task), *(("reward_funcs", s) for s in getattr(cfg, "reward_funcs", ())),
+             ("environment_factory", getattr(cfg, "environment_factory", None))]
+    return [(field, spec) for field, spec in named if spec and is_python_marker(spec)]
+
+
+def check_python_objects(cfg, config: str) -> None:
+    """One ConfigError line when the config names a callable given from Python in another process (its run
+    directory's config.yaml read again): it must be given again (tasks/custom.py: python_object)."""
+    for field, spec in python_markers(cfg):
+        python_object(spec, field, config)
 
 
 def give_user_calls(task: Any, calls: Any) -> None:
@@ -105,7 +125,7 @@ def _task_from_config(cfg, calls: Any) -> Task:
                        eval_holdout=cfg.eval_holdout, prompt_field=cfg.prompt_field, answer_field=cfg.answer_field,
                        system_prompt=system, grader=cfg.grader, reward_funcs=cfg.reward_funcs,
                        reward_weights=[float(w) for w in cfg.reward_weights], time_limit=cfg.grade_time_limit,
-                       workers=cfg.grade_workers)
+                       workers=cfg.grade_workers, batch_size=cfg.batch_size)
         if cfg.environment_factory:
             return factory_environment(cfg, options, calls)
         if cfg.task != "dataset":  # a library environment on the dataset's rows (skyrl_gym:ENV)
@@ -124,7 +144,8 @@ def factory_environment(cfg, options: dict[str, Any], calls: Any = None) -> Envi
     from llmrl.tasks.custom import load_object
     from llmrl.tasks.tools import FactoryEnvironment
 
-    factory = load_object(cfg.environment_factory)
+    spec = cfg.environment_factory
+    factory = python_object(spec, "environment_factory") if is_python_marker(spec) else load_object(spec)
     if not callable(factory):
         raise ConfigError(f"environment_factory={cfg.environment_factory!r} is not a class")
     graded = not cfg.reward_funcs and not callable(getattr(factory, "get_reward", None))
@@ -150,7 +171,7 @@ def is_task_name(name: str) -> bool:
 
 def is_single_task_name(name: str) -> bool:
     module, sep, attr = name.rpartition(":")
-    if name in TASKS or name in REWARD_FUNCTIONS or is_library_task(name):
+    if name in TASKS or name in REWARD_FUNCTIONS or is_library_task(name) or is_python_marker(name):
         return True
     if module.endswith(".py"):
         return Path(module).is_file() and attr.isidentifier()
@@ -175,9 +196,14 @@ def names_server(task: str) -> bool:
     return is_library_task(task) and "://" in task.partition(":")[2]
 
 
+OWN_REWARDS = "llmrl.rewards:"  # how a spec of one of llmrl's own reward functions starts
+
+
 def code_specs(task: str, reward_funcs: list[str] | tuple[str, ...] = (), environment_factory: str | None = None) -> list[str]:
-    """The code a config names: its task when that is code, its reward functions and its environment_factory."""
-    return ([task] if is_task_code(task) else []) + list(reward_funcs) + ([environment_factory] if environment_factory else [])
+    """The code a config names: its task when that is code, its reward functions (but llmrl's own, llmrl.rewards:NAME,
+    which are as much llmrl's as its built-in tasks) and its environment_factory."""
+    return ([task] if is_task_code(task) else []) + [f for f in reward_funcs if not f.startswith(OWN_REWARDS)] + (
+        [environment_factory] if environment_factory else [])
 
 
 def config_code(cfg) -> list[str]:
@@ -190,6 +216,14 @@ def resume_command(cfg, run_dir: Path | str) -> str:
     the run is the user's own)."""
     from llmrl.config import launch_flags
 
+    given = python_markers(cfg)
+    if given:  # callables given from Python: resumed from Python, with them given again
+        values = {field: marker_name(spec) for field, spec in given}
+        if "reward_funcs" in values:
+            values["reward_funcs"] = "[" + ", ".join(marker_name(s) if is_python_marker(s) else repr(s)
+                                                     for s in cfg.reward_funcs) + "]"
+        shown = ", ".join(f"{field!r}: {value}" for field, value in values.items())
+        return f"llmrl.train(llmrl.load_config('{Path(run_dir) / 'config.yaml'}', {{{shown}}}), resume=True)"
     runs_code = config_code(cfg)
     return f"llmrl train --resume {run_dir}" + launch_flags() + (" --trust_task_code" if runs_code else "")
 
@@ -209,8 +243,11 @@ def check_task_code(cfg, run_dir: Path | str, trusted: bool) -> None:
     (`openenv:http://HOST:PORT`) is treated the same way: llmrl would contact that host, and its answers become the
     rewards. `llmrl train --config FILE`
     runs the code its own config names (the user chose that file); a run directory someone hands you does not
-    run code without --trust_task_code, as a Hugging Face model does not without trust_remote_code."""
-    code = config_code(cfg)
+    run code without --trust_task_code, as a Hugging Face model does not without trust_remote_code. A callable
+    given from Python (tasks/custom.py: python_spec's marker) is not in the file: one line says to give it again,
+    and given again in this process it is the user's own."""
+    check_python_objects(cfg, str(Path(run_dir) / "config.yaml"))
+    code = [spec for spec in config_code(cfg) if not is_python_marker(spec)]
     if trusted or not code:
         return
     parts = mixture_parts(cfg.task, is_single_task_name) or [cfg.task]

@@ -41,9 +41,59 @@ from llmrl.tasks.workers import CallTimeout, UserCalls, user_calls
 
 RewardFn = Callable[..., "float | None"]
 
+PYTHON_MARK = "<python: "  # how a spec written for a callable that no name imports again starts
+PYTHON_OBJECTS: dict[str, Any] = {}  # such spec → the callable given to load_config in this process (python_spec)
+
+
+def python_spec(obj: Any) -> str:
+    """The spec a callable given from Python (load_config's task, reward_funcs, environment_factory) is written as in
+    the config and its run directory: `module:name` when that name imports this very object again (a module-level
+    function or class of an importable module; `file.py:name` for a file load_object loaded), so a run directory
+    resumes with it as with any spec; else a marker `<python: module.qualname>` (a function defined in a notebook or
+    `__main__`, a closure, a lambda, a callable object), held for this process in PYTHON_OBJECTS: another process
+    must be given the callable again (python_object). A later callable with the same marker (a notebook cell run
+    again) replaces the earlier."""
+    module_name = getattr(obj, "__module__", None) or ""
+    qualname = getattr(obj, "__qualname__", None) or type(obj).__qualname__
+    module = sys.modules.get(module_name)
+    named = module is not None and qualname.isidentifier() and getattr(module, qualname, None) is obj
+    if named and module_name != "__main__":
+        file = getattr(module, "__file__", None)
+        if module_name.startswith("_llmrl_task_") and file:
+            return f"{file}:{qualname}"
+        spec = getattr(module, "__spec__", None)
+        if spec is not None and spec.name == module_name and not module_name.startswith("_llmrl_task_"):
+            return f"{module_name}:{qualname}"
+    marker = f"{PYTHON_MARK}{module_name}.{qualname}>"
+    PYTHON_OBJECTS[marker] = obj
+    return marker
+
+
+def is_python_marker(spec: str) -> bool:
+    """`spec` is python_spec's marker for a callable no name imports (held by this process or not)."""
+    return spec.startswith(PYTHON_MARK) and spec.endswith(">")
+
+
+def marker_name(spec: str) -> str:
+    """The callable's own name in a marker: `<python: __main__.correct>` → correct."""
+    return spec[len(PYTHON_MARK):-1].rpartition(".")[2] or spec
+
+
+def python_object(spec: str, field: str = "task", config: str = "CONFIG") -> Any:
+    """The callable a marker stands for, or one ConfigError line saying it must be given again (a run directory's
+    config read by another process: the file holds its name, not its code); `config` names the file in that line."""
+    if spec in PYTHON_OBJECTS:
+        return PYTHON_OBJECTS[spec]
+    raise ConfigError(f"{field}: {spec} names a Python object given to llmrl.load_config, which a config file "
+                      f"cannot hold: give it again, e.g. llmrl.load_config({config!r}, "
+                      f"{{{field!r}: {'[' if field == 'reward_funcs' else ''}{marker_name(spec)}"
+                      f"{', ...]' if field == 'reward_funcs' else ''}}})")
+
 
 def load_object(spec: str) -> Any:
-    """The object named by `module.path:Name` or `file.py:Name`."""
+    """The object named by `module.path:Name` or `file.py:Name`, or by python_spec's marker (python_object)."""
+    if is_python_marker(spec):
+        return python_object(spec)
     where, _, attr = spec.rpartition(":")
     try:
         if where.endswith(".py"):
@@ -176,12 +226,49 @@ def build_custom(spec: str, seed: int, prompts: str | None, task_args: dict[str,
     if task_args:
         raise ConfigError(f"task={spec!r} is a reward function: task_args go to a task class's constructor; "
                           "give a function its values through the prompts' fields (its **meta)")
-    if spec in REWARD_FUNCTIONS:
-        return FunctionTask(user_function(obj, spec, calls), read_prompts(prompts or REWARD_FUNCTIONS[spec][1], spec),
-                            seed)
-    if callable(obj):
-        return FunctionTask(user_function(obj, spec, calls), read_prompts(prompts, spec), seed)
-    raise ConfigError(f"task={spec!r}: {type(obj).__name__} is neither a task class nor a reward function")
+    if not callable(obj):
+        raise ConfigError(f"task={spec!r}: {type(obj).__name__} is neither a task class nor a reward function")
+    rows = read_prompts(prompts or REWARD_FUNCTIONS[spec][1] if spec in REWARD_FUNCTIONS else prompts, spec)
+    task = FunctionTask(user_function(obj, spec, calls), rows, seed)
+    check_plain_function(obj, spec, task, calls is not None)
+    return task
+
+
+def check_plain_function(fn: Callable, spec: str, task: FunctionTask, call: bool) -> None:
+    """A plain reward function tried at start on the first prompt, so that one that cannot work stops the run in one
+    ConfigError line: its signature must take what FunctionTask.reward gives it (the prompt, the completion, the
+    prompts file's other fields as keywords), read without calling it; then, with `call` (in a run: the call bounded
+    by user_code_timeout), a call on an empty completion must return a number or None, not raise. One that overruns
+    is one warning line."""
+    from llmrl.tasks.dataset import called_as, is_score
+
+    example = FunctionTask.example(task.prompts[0])
+    shown = called_as(getattr(fn, "__name__", None) or spec, fn)
+    trl = "; a TRL-signature f(prompts, completions, **columns) goes in reward_funcs, with a dataset"
+    try:
+        inspect.signature(fn).bind(example.messages[-1]["content"], "", **example.meta)
+    except TypeError as e:
+        raise ConfigError(f"task={spec!r}: {shown} must take (prompt, completion, **fields), as a plain reward "
+                          f"function is called (here with the fields {', '.join(example.meta) or 'none'}): {e}{trl}") from None
+    except ValueError:  # no signature to read (a builtin): its call says
+        pass
+    if not call:
+        return
+    try:
+        value = task.fn(example.messages[-1]["content"], "", **example.meta)
+    except CallTimeout as e:
+        print(f"llmrl: warning: task={spec!r}: the reward function did not score an empty completion of the first "
+              f"prompt within user_code_timeout ({e}); each completion it overruns scores 0 (reward/errors)", file=sys.stderr)
+        return
+    except EngineDied:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's function may raise anything
+        raise ConfigError(f"task={spec!r}: {shown} raised {type(e).__name__}: {str(e)[:200]} on the first prompt "
+                          "with an empty completion; a reward function must score any completion (return None for one it "
+                          "cannot score)") from None
+    if not is_score(value):
+        raise ConfigError(f"task={spec!r}: {shown} returned {repr(value)[:60]} (a {type(value).__name__}) for one "
+                          f"completion; a plain reward function returns a float or None{trl}")
 
 
 # ----------------------------------------------------------------------------- the user's code in a run

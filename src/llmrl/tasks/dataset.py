@@ -28,10 +28,16 @@ the total and is counted in reward/unscored. Each call is bounded by user_code_t
 runs in a worker process, killed at the limit; tasks/workers.py: UserCalls): one that overruns scores its
 batch's completions 0, each counted in reward/errors (it is not asked again one completion at a time, as after a
 raise). A column named `prompts` or `completions` would clash with
-those keywords: it is refused at load.
+those keywords: it is refused at load. From Python a function may be given as itself (config.py code_value);
+llmrl.rewards holds common ones. Each is tried at start on the first training row (check_functions): a signature
+that cannot take those keywords, a return that is not a list of one number or None per completion, or a raise
+stops the run in one line naming the function.
 
 Eval: `eval_split` when given, else `eval_holdout` rows held out of the training split by the run's seed
-(the data report says which).
+(the data report says which): at most HOLDOUT_PERCENT (20%) of the rows, leaving one batch to train on where it can,
+with a warning line when that cuts eval_holdout; a run with fewer training rows than one batch stops in one line
+(check_train_rows). When the grader finds no answer in most completions, `unread_hint` says so once per run (the
+run's health warnings), showing one such completion and the built-in graders that read it.
 """
 
 from __future__ import annotations
@@ -39,13 +45,16 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import numbers
+import os
 import random
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
 from llmrl import grading
-from llmrl.errors import ConfigError, DataError
+from llmrl.errors import ConfigError, DataError, EngineDied
 from llmrl.tasks import seed_parsing
 from llmrl.tasks.base import Example, Judgement, Reward, SeededSampling, mean_of
 from llmrl.tasks.workers import CallTimeout, check_stuck, user_calls
@@ -105,17 +114,76 @@ def same_words(a: str, b: str) -> bool:
     return " ".join(a.split()) == " ".join(b.split())
 
 
+GRADER_NEEDS = {"math": "a \\boxed{}", "number": "a number", "exact": "a non-empty line"}  # what each one reads
+
+
+def grader_reading(grader: str, completion: str, gold: str) -> tuple[str, bool] | None:
+    """(the answer `grader` reads in `completion`, as text; whether it is the gold), or None when it finds none.
+    Whether the math grader's boxed answer is the gold is a plain comparison here (math-verify decides in
+    training): the same words, or the same number."""
+    if grader == "number":
+        value, want = completion_number(completion), gold_number(gold)
+        if value is None:
+            return None
+        return f"{value:g}", want is not None and math.isclose(value, want, rel_tol=1e-6, abs_tol=1e-9)
+    answer = grading.extract_answer(completion) if grader == "math" else completion_text(completion)
+    if answer is None:
+        return None
+    if grader == "exact":
+        return answer, same_words(answer, gold)
+    value, want = gold_number(answer), gold_number(gold)
+    return answer, same_words(answer, gold) or value is not None and want is not None and math.isclose(value, want)
+
+
+def shortened(text: str, most: int = 100) -> str:
+    """`text` on one line, its last `most` characters at most (a reply's answer is at its end)."""
+    text = " ".join(text.split())
+    return text if len(text) <= most else "…" + text[-(most - 1):]
+
+
+def unread_hint(grader: str, pairs: list[tuple[str, str]]) -> str | None:
+    """When `grader` finds no answer in most (more than half) of the (completion, gold) `pairs`: one line showing one
+    such completion, shortened, and naming the built-in graders that read an answer there (those that read the gold,
+    when any do); else None. The completion shown is one that another grader reads as the gold, else one it reads
+    at all, else the first unread one."""
+    unread = [(c, gold) for c, gold in pairs if grader_reading(grader, c, gold) is None]
+    if not pairs or 2 * len(unread) <= len(pairs):
+        return None
+
+    def readers(c: str, gold: str) -> list[tuple[str, str, bool]]:
+        return [(g, *r) for g in GRADERS if g != grader and (r := grader_reading(g, c, gold)) is not None]
+
+    def rank(pair: tuple[str, str]) -> int:
+        found = readers(*pair)
+        return 2 if any(right for _, _, right in found) else 1 if found else 0
+
+    completion, gold = max(unread, key=rank)  # the first of the best
+    found = readers(completion, gold)
+    right = [(g, answer) for g, answer, ok in found if ok]
+    if right:
+        named = "; ".join(f"--grader {g} reads {answer!r} there, the gold" for g, answer in right)
+    elif found:
+        named = "; ".join(f"--grader {g} reads {answer!r} there" for g, answer, _ in found)
+    else:
+        named = "no built-in grader reads an answer there: score such replies with --reward_funcs file.py:f"
+    return (f"the {grader} grader found no answer ({GRADER_NEEDS[grader]}) in {len(unread)} of {len(pairs)} "
+            f"completions, which score 0: e.g. {shortened(completion)!r} (gold {gold!r}): {named}")
+
+
 def load_rows(source: str, config: str | None, split: str) -> list[dict[str, Any]]:
     """The rows of one split: from a local file (every row; JSONL, JSON, Parquet, CSV), a local directory
     (its files as `datasets` maps them to splits) or a hub dataset. One DataError line when it cannot. A local file
     must not be empty; a JSON/CSV column of mixed types is read as written (read_text_rows: mixed scalars as text)."""
     from datasets import load_dataset
+    from datasets.utils import logging as datasets_bars
 
     path = Path(source)
     quiet = [logging.getLogger(name) for name in ("huggingface_hub", "datasets", "fsspec")]
     levels = [log.level for log in quiet]
     for log in quiet:
         log.setLevel(logging.ERROR)  # the hub client's retry lines would precede the one-line error
+    bars = datasets_bars.is_progress_bar_enabled()
+    datasets_bars.disable_progress_bar()  # "Generating train split: 30 examples" for a 30-line file is noise
     try:
         if path.is_file():
             builder = LOCAL_BUILDERS.get(path.suffix.lower())
@@ -133,6 +201,9 @@ def load_rows(source: str, config: str | None, split: str) -> list[dict[str, Any
                 # datasets >= 5 holds a column of mixed types as JSON and decodes each value again on the way out:
                 # the text "007" came back as 7, "true" as True, "[1]" as a list
                 return read_text_rows(path, builder, source)
+        elif path.suffix.lower() in LOCAL_BUILDERS or source.startswith((".", "/", "~")):
+            raise DataError(f"dataset '{source}': no such file (a hub dataset is named owner/name; "
+                            f"the working directory is {Path.cwd()})")
         else:
             rows = load_dataset(source, config, split=split)
         return [dict(r) for r in rows]
@@ -146,6 +217,8 @@ def load_rows(source: str, config: str | None, split: str) -> list[dict[str, Any
     finally:
         for log, level in zip(quiet, levels):
             log.setLevel(level)
+        if bars:
+            datasets_bars.enable_progress_bar()
 
 
 def check_not_empty(path: Path, source: str) -> None:
@@ -272,22 +345,98 @@ def pick_field(rows: list[dict[str, Any]], given: str | None, candidates: tuple[
     return found
 
 
+def called_as(name: str, fn: Any) -> str:
+    """A reward function as a message shows it: `correct(completion, answer)`, or its name without a signature."""
+    try:
+        return f"{name}{inspect.signature(fn)}"
+    except (TypeError, ValueError):
+        return name
+
+
+def signature_problem(fn: Any, kwargs: dict[str, Any]) -> str | None:
+    """Why `fn` cannot be called with these keywords (inspect's words), or None (it can, or has no signature to
+    read: a builtin's calls say)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(**kwargs)
+    except TypeError as e:
+        return str(e)
+    return None
+
+
+def is_score(value: Any) -> bool:
+    """A value a reward function may give a completion: None (unscored), or a real number (a bool, a NumPy or torch
+    scalar too)."""
+    if value is None or isinstance(value, numbers.Real):
+        return True
+    try:
+        return isinstance(value.item(), numbers.Real)
+    except Exception:  # noqa: BLE001 - no .item(), or not one element
+        return False
+
+
+def values_problem(values: Any, n: int) -> str | None:
+    """What is wrong with a reward function's return for `n` completions (it must be a list of n numbers or None,
+    one per completion), or None: `returned 0.5 (a float), not a list`, `returned 1 value for 2 completions`."""
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__") or not hasattr(values, "__iter__"):
+        return f"returned {repr(values)[:60]} (a {type(values).__name__}), not a list"
+    if len(values) != n:
+        return f"returned {len(values)} value{'s' * (len(values) != 1)} for {n} completions"
+    bad = next((v for v in values if not is_score(v)), None)
+    if bad is not None:
+        return f"returned a list holding {repr(bad)[:60]} (a {type(bad).__name__}), not a number or None"
+    return None
+
+
 def load_reward_funcs(specs: list[str], weights: list[float]) -> list[tuple[str, Any, float]]:
-    """(name, function, weight) of each `file.py:f` / `module:f` in `specs`."""
-    from llmrl.tasks.custom import load_object
+    """(name, function, weight) of each `file.py:f` / `module:f` in `specs`, or a function given from Python
+    (tasks/custom.py: python_spec's marker); the name is the function's __name__ (its logs' reward/<name>)."""
+    from llmrl.tasks.custom import is_python_marker, load_object, marker_name, python_object
 
     if weights and len(weights) != len(specs):
         raise ConfigError(f"reward_weights: {len(weights)} weights for {len(specs)} reward_funcs")
     funcs = []
     for spec, w in zip(specs, weights or [1.0] * len(specs)):
-        fn = load_object(spec)
+        marked = is_python_marker(spec)
+        fn = python_object(spec, "reward_funcs") if marked else load_object(spec)
         if not callable(fn) or inspect.isclass(fn):
             raise ConfigError(f"reward_funcs: {spec!r} is not a function")
-        funcs.append((getattr(fn, "__name__", spec.rpartition(":")[2]), fn, float(w)))
+        funcs.append((getattr(fn, "__name__", None) or (marker_name(spec) if marked else spec.rpartition(":")[2]),
+                      fn, float(w)))
     names = [n for n, _, _ in funcs]
     if len(set(names)) != len(names):
         raise ConfigError(f"reward_funcs: two functions share a name ({', '.join(names)}): their logs would mix")
     return funcs
+
+
+HOLDOUT_PERCENT = 20  # the eval hold-out takes at most this share of the training split's rows
+
+
+def holdout_size(rows: int, asked: int, batch: int = 0) -> int:
+    """Rows held out of `rows` for eval: eval_holdout (`asked`), but at most HOLDOUT_PERCENT of the rows and leaving
+    at least `batch` rows (one training step's prompts) where it can; at least 1. 30 rows, asked 64, batch 4: 6;
+    300 rows: 60; 10 rows, batch 9: 1."""
+    return max(1, min(asked, rows * HOLDOUT_PERCENT // 100, rows - batch))
+
+
+def check_train_rows(task: Any, batch_size: int) -> None:
+    """Training on a dataset (the task's rows, or an environment's `data`): one ConfigError line when its training
+    rows are fewer than one step's batch_size prompts, naming the numbers and the fixes."""
+    data = task if isinstance(task, DatasetTask) else getattr(task, "data", None)
+    if not isinstance(data, DatasetTask) or len(data.train_rows) >= batch_size:
+        return
+    train, report = len(data.train_rows), data.data_report
+    held = report["eval"]["rows"] if "held_out_of" in report["eval"] else 0
+    fixes = [f"--batch_size {train}"]  # a DatasetTask has at least one training row
+    if held > 1 and train + held - 1 >= batch_size:
+        fixes.append("--eval_holdout 1")
+    fixes += ["--eval_split SPLIT"] if held else []
+    where = f" ({held} more held out for eval)" if held else ""
+    raise ConfigError(f"dataset '{report['source']}': {train} usable training rows{where}, fewer than one step's "
+                      f"batch_size {batch_size} prompts; give {', '.join(fixes)} or more rows")
 
 
 class DatasetTask(SeededSampling):
@@ -300,7 +449,10 @@ class DatasetTask(SeededSampling):
                  eval_split: str | None = None, eval_holdout: int = 64, prompt_field: str | None = None,
                  answer_field: str | None = None, system_prompt: str | None = None, grader: str = "math",
                  reward_funcs: list[str] | None = None, reward_weights: list[float] | None = None,
-                 time_limit: float = grading.DEFAULT_TIME_LIMIT, workers: int | None = None, needs_answer: bool = True):
+                 time_limit: float = grading.DEFAULT_TIME_LIMIT, workers: int | None = None, needs_answer: bool = True,
+                 batch_size: int = 0):
+        """batch_size: prompts per training step, which the eval hold-out leaves to train on where it can
+        (holdout_size); check_train_rows refuses a run with fewer training rows."""
         if source is None:
             raise ConfigError("task=dataset: give the data with --dataset PATH_OR_HUB_ID")
         if grader not in GRADERS:
@@ -328,7 +480,11 @@ class DatasetTask(SeededSampling):
         else:  # a slice of the training split, held out by the seed
             order = list(range(len(self.train_rows)))
             random.Random(seed).shuffle(order)
-            n = min(eval_holdout, len(order) - 1)
+            n = holdout_size(len(order), eval_holdout, batch_size)
+            if n < eval_holdout and os.environ.get("RANK", "0") == "0":
+                print(f"llmrl: dataset '{source}': {len(order) - n} rows train, {n} held out for eval "
+                      f"(eval_holdout {eval_holdout} cut to {HOLDOUT_PERCENT}% of the {len(order)} rows); "
+                      "--eval_split SPLIT evaluates on another split", file=sys.stderr, flush=True)
             held = set(order[:n])
             self.eval_rows = [r for i, r in enumerate(self.train_rows) if i in held]
             self.train_rows = [r for i, r in enumerate(self.train_rows) if i not in held]
@@ -464,18 +620,13 @@ class DatasetTask(SeededSampling):
         is a text (shown as one assistant message when the prompts are chat messages) or a list of messages (an
         episode's, shown as it is); `extra` keyword lists go to the functions beside the columns
         (environments=)."""
-        conversational = any(self.is_messages(ex.meta.get(self.prompt_field)) for ex in examples)
-        prompts = [ex.meta.get(self.prompt_field) for ex in examples]
-        shown = [[{"role": "assistant", "content": c}] if conversational and isinstance(c, str) else c for c in completions]
-        columns = {k: [ex.meta.get(k) for ex in examples] for k in examples[0].meta if k not in ("prompt", "completion")}
-        columns |= extra
+        kwargs = self.function_kwargs(examples, completions, **extra)
         rewards = [Reward(total=0.0, components={}, counts={"unscored": 0}) for _ in examples]
         for name, fn, weight in self.funcs:
-            values = self.call_function(name, fn, list(zip(examples, completions)), {"prompts": prompts,
-                                                                                     "completions": shown, **columns})
-            if values is None or len(values) != len(examples):
-                raise ValueError(f"reward function {name} returned {None if values is None else len(values)} values "
-                                 f"for {len(examples)} completions")
+            values = self.call_function(name, fn, list(zip(examples, completions)), kwargs)
+            problem = values_problem(values, len(examples))
+            if problem:
+                raise ValueError(f"reward function {name} {problem}")
             for r, v in zip(rewards, values):
                 if v is None:
                     r.counts["unscored"] += 1
@@ -484,6 +635,61 @@ class DatasetTask(SeededSampling):
                 r.components[name] = v
                 r.total += weight * v
         return rewards
+
+    def function_kwargs(self, examples: list[Example], completions: list[str] | list[list[dict[str, str]]],
+                        **extra: list[Any]) -> dict[str, list[Any]]:
+        """The keywords a reward function gets for these completions: prompts=, completions=, every column (but
+        prompt and completion) as a list, and `extra` (environments=)."""
+        conversational = any(self.is_messages(ex.meta.get(self.prompt_field)) for ex in examples)
+        prompts = [ex.meta.get(self.prompt_field) for ex in examples]
+        shown = [[{"role": "assistant", "content": c}] if conversational and isinstance(c, str) else c for c in completions]
+        columns = {k: [ex.meta.get(k) for ex in examples] for k in examples[0].meta if k not in ("prompt", "completion")}
+        return {"prompts": prompts, "completions": shown, **columns, **extra}
+
+    def check_functions(self, environments: bool = False) -> None:
+        """Each reward function tried at start (task_from_config) on the first training row, so that one that cannot
+        work stops the run in one ConfigError line instead of scoring every completion 0 to the end. Its signature
+        must take the keywords it is called with (prompts=, completions=, the row's columns, and environments= for an
+        environment_factory's: `environments`), read without calling it; then, except for an environment_factory's
+        (whose environments are its episodes'), one call within user_code_timeout on two completions, an empty one
+        and one answering the row's gold in \\boxed{}, must return a list of 2 values, each a number or None. A call
+        that raises stops the run too (a reward function must score any completion: None for one it cannot); one
+        that overruns is one warning line (a slow judge may still score a batch within the limit)."""
+        if not self.funcs:
+            return
+        example = self.example(self.train_rows[0])
+        gold = example.answer if example.answer is not None else "42"
+        completions = ["", f"The answer is \\boxed{{{gold}}}."]
+        kwargs = self.function_kwargs([example, example], completions,
+                                      **({"environments": [None, None]} if environments else {}))
+        columns = [k for k in kwargs if k not in FUNCTION_KEYWORDS]
+        for name, fn, _ in self.funcs:
+            shown = called_as(name, fn)
+            problem = signature_problem(fn, kwargs)
+            if problem:
+                raise ConfigError(f"reward_funcs: {shown} must take (prompts, completions, **columns), the keywords "
+                                  f"TRL's signature calls it with (here prompts, completions and the columns "
+                                  f"{', '.join(columns) or 'none'}): {problem}; write it as def {name}(prompts, "
+                                  "completions, **kwargs) and read a column as kwargs['answer']")
+            if environments:
+                continue
+            try:
+                values = user_calls(self).call(f"reward function {name}", fn, **kwargs)
+            except CallTimeout as e:
+                print(f"llmrl: warning: reward_funcs: {name} did not score 2 completions of the first training row "
+                      f"within user_code_timeout ({e}); each batch it overruns scores 0 (reward/errors)", file=sys.stderr)
+                continue
+            except EngineDied:
+                raise
+            except Exception as e:  # noqa: BLE001 - the user's function may raise anything
+                raise ConfigError(f"reward_funcs: {name} raised {type(e).__name__}: {str(e)[:200]} on the first "
+                                  f"training row with the completions {completions!r}; a reward function must score any "
+                                  "completion (return None for one it cannot score)") from None
+            problem = values_problem(values, 2)
+            if problem:
+                raise ConfigError(f"reward_funcs: {name} {problem}; it must return a list with a float or None for "
+                                  "each completion (TRL's signature: f(prompts, completions, **columns) -> "
+                                  "list[float | None])")
 
     def call_function(self, name: str, fn: Any, items: list[tuple[Example, Any]], kwargs: dict[str, Any]) -> Any:
         """One reward function's call on a batch, bounded by user_code_timeout (tasks/workers.py: UserCalls: killed
@@ -499,6 +705,12 @@ class DatasetTask(SeededSampling):
         except CallTimeout as e:
             self._overran = (name, items, str(e))
             raise
+
+    def unread_hint(self, golds: list[str], completions: list[str]) -> str | None:
+        """unread_hint for this task's grader on a step's or an eval's completions (None with reward functions)."""
+        if self.funcs or not self.needs_answer:
+            return None
+        return unread_hint(self.grader, list(zip(completions, golds, strict=True)))
 
     def judge(self, examples: list[Example], completions: list[str]) -> list[Judgement] | None:
         """Sampled eval's verdicts (pass@k, maj@k); reward functions say nothing about correctness."""

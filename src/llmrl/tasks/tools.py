@@ -14,7 +14,7 @@ when that parameter says so).
 
 `FactoryEnvironment` runs a TRL `environment_factory` class (`--environment_factory file.py:Cls`): one
 instance per episode, built with no arguments, `reset(**row)` with the dataset row's fields (a text it
-returns is appended to the prompt's last message, as TRL does), every public method but `reset` and
+returns is appended to the prompt's last message after a blank line), every public method but `reset` and
 `get_reward` a tool. A reply without a tool call ends the episode (as TRL's tool loop does; so does
 max_turns). The reward: the run's `--reward_funcs` (TRL's signature; `environments=[the episode's
 instance]` is passed beside the columns, the completion is the episode's messages after the prompt), else
@@ -150,6 +150,14 @@ def instance_reward(instance: Any) -> float:
     return float(instance.get_reward())
 
 
+def joined(prompt: str, text: str) -> str:
+    """`text` (what an environment_factory's reset returned) after `prompt`, a blank line between them unless
+    either side already has whitespace there: "Solve it." + "Board: ..." -> "Solve it.\n\nBoard: ..."."""
+    if not prompt or not text or prompt[-1].isspace() or text[0].isspace():
+        return prompt + text
+    return f"{prompt}\n\n{text}"
+
+
 def accepted(fn: Callable, row: dict[str, Any]) -> dict[str, Any]:
     """The fields of `row` that `fn` takes as keywords (all of them when it takes **kwargs)."""
     params = inspect.signature(fn).parameters.values()
@@ -215,7 +223,7 @@ class FactoryEnvironment(OnRows, Environment):
         self.instances.keep(example, instance)
         messages = [dict(m) for m in example.messages]
         if observation is not None:
-            messages[-1]["content"] += str(observation)
+            messages[-1]["content"] = joined(messages[-1]["content"], str(observation))
         return messages
 
     def start(self, episode: Episode) -> None:

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from llmrl.config import TrainConfig, check_resume_config, preflight
 from llmrl.errors import EngineDied, RunStopped
 from llmrl.tasks import resume_command
 from llmrl.tasks.score import ReservedName
+from llmrl.threads import StepThreads
 from llmrl.training.run import Run, StopOnSignal, evaluate_and_log, kept_checkpoint, save, setup_run
 from llmrl.training.step import train_step
 
@@ -34,15 +36,17 @@ class TrainResult:
     run_dir: Path
     last_metrics: dict[str, Any]
     adapter: Path | None = None  # the last checkpoint written (None on other ranks)
+    stopped_by: str | None = None  # the signal that stopped the run before its last step (SIGINT, SIGTERM), else None
 
 
-def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> TrainResult:
+def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, start_lines: list[str] = ()) -> TrainResult:
     """Train a LoRA policy with `cfg`; with `resume`, continue from the newest good checkpoint of
-    output_dir; with `overwrite`, replace a run already in output_dir."""
+    output_dir; with `overwrite`, replace a run already in output_dir. `start_lines`: lines about how the config
+    was made (load_config's notes), printed once the task's data has loaded."""
     if resume:
         check_resume_config(Path(cfg.output_dir))  # a damaged config.yaml: one line before anything loads
     preflight(cfg)  # a missing vLLM, a missing model or an unreachable hub: one line, before the run directory
-    run = setup_run(cfg, resume, overwrite)
+    run = setup_run(cfg, resume, overwrite, start_lines)
     try:
         return train_run(run)
     finally:
@@ -116,12 +120,15 @@ def stop_with_checkpoint(run: Run, reason: str, every_rank: bool = False) -> Run
 
 def loop(run: Run) -> TrainResult:
     """Steps run.start..steps: train_step, log, eval, save."""
-    cfg, last, path = run.cfg, {}, None
+    cfg, last, path, stopped_by = run.cfg, {}, None, None
     bar = tqdm(range(run.start, cfg.steps + 1), initial=run.start - 1, total=cfg.steps, disable=not run.dist.is_main,
                desc="train")
+    threads = StepThreads.begin(cfg.num_threads, run.plan.device.type == "cpu")  # None: the thread count stays
     with StopOnSignal() as stop:
         for step in bar:
+            t0 = time.perf_counter()
             result = train_step(run, step)  # sample, reward, advantages, update
+            retune_threads(run, threads, step, time.perf_counter() - t0)
             last, warnings = result.metrics, log_step(run, step, result, bar)  # metrics.jsonl, samples.jsonl
             final = step == cfg.steps
             stopping = run.dist.any(stop.signal is not None)  # a signal on any rank stops every rank after this step
@@ -135,6 +142,7 @@ def loop(run: Run) -> TrainResult:
                 path = save(run, step)
             if stopping and not final:
                 bar.close()
+                stopped_by = stop.signal or "SIGTERM"  # another rank's signal: torchrun sends SIGTERM
                 if run.dist.is_main:
                     print(f"llmrl: stopped by {stop.signal or 'a signal on another rank'} after step {step}; "
                           f"checkpoint {path}\nllmrl: resume with: {resume_command(run.cfg, run.dir)}", file=sys.stderr, flush=True)
@@ -147,14 +155,23 @@ def loop(run: Run) -> TrainResult:
             loader = "AutoModelForCausalLM.from_pretrained" if run.plan.full else "PeftModel.from_pretrained"
             how = f"load it with {loader}, or `llmrl export {run.dir}`"
         print(f"llmrl: {'model' if run.plan.full else 'adapter'}: {path} ({how})", file=sys.stderr)
-    return TrainResult(model=run.model, tokenizer=run.tokenizer, run_dir=run.dir, last_metrics=last, adapter=path)
+    return TrainResult(model=run.model, tokenizer=run.tokenizer, run_dir=run.dir, last_metrics=last, adapter=path,
+                       stopped_by=stopped_by)
+
+
+def retune_threads(run: Run, threads: StepThreads | None, step: int, seconds: float) -> None:
+    """Automatic threads on CPU: set the count for the next step from other processes' load over this one
+    (`seconds`: how long train_step took); rank 0 prints what changed, once."""
+    for line in threads.after_step(step, seconds) if threads is not None else ():
+        if run.dist.is_main:
+            tqdm.write(f"llmrl: {line}", file=sys.stderr)
 
 
 def log_step(run: Run, step: int, result, bar) -> list[str]:
     """Write the step's metrics record (with the health check's warnings, also printed) and its samples;
     returns the warnings."""
     record = result.metrics
-    warnings = run.health.check(run.cfg, record)
+    warnings = run.health.check(run.cfg, record, result.unread)
     for text in warnings:
         if run.dist.is_main:
             tqdm.write(f"llmrl: warning: step {step}: {text}", file=sys.stderr)
@@ -167,6 +184,10 @@ def log_step(run: Run, step: int, result, bar) -> list[str]:
 def stop_if_unhealthy(run: Run, step: int, warnings: list[str]) -> None:
     """A health warning under --strict_health, or max_bad_steps non-finite updates in a row: save, then stop in
     one line."""
+    if "reward_errors" in run.health.active and any(w.startswith("every reward call failed") for w in warnings):
+        path = save(run, step)
+        raise RunStopped(f"step {step}: every reward call failed for {run.cfg.health_steps} steps in a row; "
+                         f"--strict_rewards shows the first error (checkpoint {path})", every_rank=True)
     if warnings and run.cfg.strict_health:
         path = save(run, step)
         raise RunStopped(f"step {step}: stopped by --strict_health ({warnings[0].split(':')[0]}); checkpoint {path}",

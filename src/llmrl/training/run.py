@@ -24,18 +24,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from llmrl.chat_templates import use_chat_template
 from llmrl.checkpoint import (checkpoint_tmp, disk_full, free_space_problem, latest_checkpoint, load_checkpoint,
                               load_policy_weights, remove_stale_temporaries, save_checkpoint, space_needed)
-from llmrl.config import Plan, TrainConfig, resolve, resume_differences, save_config
+from llmrl.config import TRAINED_DTYPE, Plan, TrainConfig, precision_rule, resolve, resume_differences, save_config
 from llmrl.errors import ConfigError, RunStopped
 from llmrl.logger import RunLogger, check_log_sizes, plain
 from llmrl.model_card import model_card
 from llmrl.models.full import prepare_full
 from llmrl.models.lora import fuse_lora_outputs
 from llmrl.models.loading import (add_lora, contiguous_lm_head_input, grouped_query_attention, load_base_model,
-                                  run_in_bf16_autocast)
+                                  pick_device, run_in_bf16_autocast)
 from llmrl.models.packed_linear import (
     available_memory_bytes,
     install_packed_linears,
@@ -50,6 +51,8 @@ from llmrl.rollout.keyed import mix
 from llmrl.rollout.prompts import eos_ids
 from llmrl.run_files import CONFIG, DATA_REPORT, LOCK, REPORT, RUN_FILES, write_atomically
 from llmrl.tasks import Task, is_environment, resume_command, task_from_config
+from llmrl.tasks.dataset import check_train_rows
+from llmrl.threads import start_threads
 from llmrl.tasks.env import OneTurn
 from llmrl.training import hooks
 from llmrl.training.cpu_speed import keep_heap_memory, return_heap_memory, use_hash_dropout
@@ -263,24 +266,25 @@ def restore_rank_rng(state: dict[str, Any], cfg: TrainConfig, dist: Dist) -> Non
               "prompts, completions and updates; per-rank dropout RNG streams restart", file=sys.stderr)
 
 
-def setup_run(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Run:
+def setup_run(cfg: TrainConfig, resume: bool = False, overwrite: bool = False, start_lines: list[str] = ()) -> Run:
     """Everything before step 1 (or the resumed step): process group, run directory (locked by rank 0 until
     train() returns), task, policy, optimizer, checkpoint state, loggers."""
     dist = init_distributed(cfg.device, cfg.dist_timeout)
     lock = RunLock(Path(cfg.output_dir)) if dist.is_main else None
     try:
-        return build_run(cfg, dist, lock, resume, overwrite)
+        return build_run(cfg, dist, lock, resume, overwrite, start_lines)
     except BaseException:
         if lock is not None:
             lock.release()
         raise
 
 
-def build_run(cfg: TrainConfig, dist: Dist, lock: RunLock | None, resume: bool, overwrite: bool) -> Run:
-    """setup_run after the process group."""
+def build_run(cfg: TrainConfig, dist: Dist, lock: RunLock | None, resume: bool, overwrite: bool,
+              start_lines: list[str] = ()) -> Run:
+    """setup_run after the process group; `start_lines` (train's) printed once the task's data has loaded."""
+    # before resolve: the kernel verdicts it reads are kept per thread count
+    threads = start_threads(cfg.num_threads, on_cpu=pick_device(cfg.device).type == "cpu")
     plan = resolve(cfg)
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
     if plan.keep_heap_memory:
         keep_heap_memory()
     elif plan.return_heap_memory:
@@ -290,6 +294,9 @@ def build_run(cfg: TrainConfig, dist: Dist, lock: RunLock | None, resume: bool, 
         lock.take()  # another trainer may be writing there: stop before reading or changing anything
     checkpoint = find_resume_checkpoint(cfg, run_dir) if resume else None
     task = task_from_config(cfg)  # before the run dir and the model: a bad task or data fails fast, leaving nothing
+    check_train_rows(task, cfg.batch_size)
+    if dist.is_main and start_lines:
+        print("\n".join(start_lines), file=sys.stderr, flush=True)
     problem = task_state_problem(task.state_dict())
     if problem:
         raise ConfigError(f"task {cfg.task}: {problem}; a checkpoint saves the task's state as JSON: return numbers, "
@@ -303,8 +310,12 @@ def build_run(cfg: TrainConfig, dist: Dist, lock: RunLock | None, resume: bool, 
         load_policy_weights(checkpoint, model)  # before sharding: a checkpoint holds whole tensors
     if plan.fsdp:
         kernels += f"; FSDP2: {shard_sharded_run(cfg, plan, model)} blocks fully_shard'ed over {dist.world} ranks"
-    if dist.is_main and plan.device.type == "cpu":
-        print(f"llmrl: {plan.precision}\nllmrl: {kernels}", file=sys.stderr)
+    if plan.device.type == "cpu":
+        kernels += f"; {threads}"  # how many torch threads, and why (llmrl/threads.py)
+    checkpoints = f"checkpoints (eval --run, chat, export): {precision_rule(None, TRAINED_DTYPE, cfg.dtype)[1]}"
+    if dist.is_main:
+        print(f"llmrl: {plan.precision}" + (f"\nllmrl: {kernels}" if plan.device.type == "cpu" else "")
+              + f"\nllmrl: {checkpoints}", file=sys.stderr)
     if dist.enabled:
         torch.manual_seed(mix(cfg.seed, 1 + dist.rank))  # per-rank stream for LoRA dropout
     report = getattr(task, "data_report", None)
@@ -328,7 +339,7 @@ def build_run(cfg: TrainConfig, dist: Dist, lock: RunLock | None, resume: bool, 
                       f"{dist.world}{': ' + how if how else ''} (the same run within float rounding; "
                       f"`--nproc {saved_world}` resumes as it ran)", file=sys.stderr)
         health = Health(**state.get("health", {}))
-    notes = [plan.precision, kernels] if plan.device.type == "cpu" else [plan.precision]
+    notes = [plan.precision, kernels, checkpoints] if plan.device.type == "cpu" else [plan.precision, checkpoints]
     try:
         if report and dist.is_main:
             print(f"llmrl: {cfg.task} data: {json.dumps(report)}", file=sys.stderr)
@@ -514,7 +525,11 @@ def evaluate_and_log(run: Run, step: int) -> dict[str, float]:
         metrics, rows = eval_policy(run.cfg, run.model, run.tokenizer, run.task, run.engine, run.dist, run.episodes,
                                     version=step)
     metrics["time/eval_s"] = time.perf_counter() - t0
-    run.logger.log(step, metrics)
+    hint = getattr(run.task, "unread_hint", None)  # a dataset's grader (tasks/dataset.py), once per run (health.py)
+    unread = hint([r["answer"] for r in rows], [r["completion"] for r in rows]) if hint else None
+    if (unread := run.health.once("unread", unread)) and run.dist.is_main:
+        tqdm.write(f"llmrl: warning: eval at step {step}: {unread}", file=sys.stderr)
+    run.logger.log(step, metrics | ({"warnings": [unread]} if unread else {}))
     run.logger.log_samples(step, rows, eval=True)
     if run.dist.is_main and run.cfg.report and not run.logger.failed:
         from llmrl.report import refresh_run_report

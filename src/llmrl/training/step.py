@@ -61,6 +61,7 @@ class Sampled:
 class StepResult:
     metrics: dict[str, Any]  # the step's metrics.jsonl record (without "step")
     samples: list[dict[str, Any]]  # its samples.jsonl rows (empty when not logged this step)
+    unread: str | None = None  # the grader found no answer in most completions: one line saying so (health.py)
 
 
 def score_drawn(run: Run, d: Drawn, step: int) -> Sampled:
@@ -312,4 +313,6 @@ def train_step(run: Run, step: int) -> StepResult:
                     **({"transcript": t} if t is not None else {})}
                    for ex, p, text, r, a, e, t in zip(g.owners, g.prompts, g.texts, g.rewards, c.adv.tolist(),
                                                       g.ended.tolist(), g.transcripts)]
-    return StepResult(step_record(run, c, stats, update_s), samples)
+    hint = getattr(run.task, "unread_hint", None)  # a dataset's grader (tasks/dataset.py)
+    unread = hint([ex.answer for ex in g.owners], g.texts) if hint and c.sampled.episodes is None else None
+    return StepResult(step_record(run, c, stats, update_s), samples, unread)
