@@ -96,8 +96,9 @@ def test_constant_reward_warns_no_spread_and_strict_health_stops_cleanly(tmp_pat
     p = run_cli(*tiny_args(tiny_model_dir, out, "grpo", steps=4, task=f"{TESTS / 'constant_reward.py'}:reward",
                            prompts=str(PROMPTS), eval_n=0))
     assert p.returncode == 0
-    assert any("no reward spread" in line and "step 3" in line for line in p.stderr.splitlines()), p.stderr[-2000:]
-    assert any("every completion scored 0.3" in line for line in p.stderr.splitlines())
+    told = [line for line in p.stderr.splitlines() if line.startswith("llmrl: warning: step")]
+    assert len(told) == 1 and "step 3" in told[0], p.stderr[-2000:]  # one line: a constant reward has no spread
+    assert "every completion scored 0.3 for 3 steps in a row: no reward spread, nothing to learn" in told[0]
     strict = tmp_path / "strict"
     p = run_cli(*tiny_args(tiny_model_dir, strict, "grpo", steps=6, task=f"{TESTS / 'constant_reward.py'}:reward",
                            prompts=str(PROMPTS), eval_n=0, strict_health="true", save_interval=100))
@@ -128,3 +129,23 @@ def test_a_run_whose_every_reward_call_fails_is_told_for_three_steps_in_a_row_on
                     "scored 0, not from rewards; --strict_rewards stops at the first error and shows it"]
     assert step(118, 120) == []  # told once while it lasts
     assert Health(**vars(health)).totals == [118, 120]  # a resumed run counts its steps from the same totals
+
+
+def test_a_reward_constant_at_a_higher_score_than_the_start_is_said_as_learned_in_one_line():
+    """The quickstart's late steps: every completion scores 1.3 (up from 0.2): one line saying the task looks
+    learned, not two (no spread is implied); a reward constant from the start keeps the check-the-reward line."""
+    from llmrl.config import TrainConfig
+    from llmrl.training.health import Health
+
+    cfg, health = TrainConfig(health_steps=3), Health()
+    flat = {"reward/min": 1.3, "reward/max": 1.3, "reward/mean": 1.3, "rollout/zero_spread_frac": 1.0}
+    assert health.check(cfg, {"reward/min": 0.0, "reward/max": 1.3, "reward/mean": 0.2125}) == []
+    assert health.check(cfg, flat) == [] and health.check(cfg, flat) == []
+    assert health.check(cfg, flat) == ["every completion scored 1.3 for 3 steps in a row, up from a mean of 0.2125 at "
+                                       "the first step: the task looks learned, and groups without spread give no "
+                                       "gradient; stop here, or make the task harder"]
+    stuck = Health()
+    flat0 = {"reward/min": 0.3, "reward/max": 0.3, "reward/mean": 0.3, "rollout/zero_spread_frac": 1.0}
+    assert [stuck.check(cfg, flat0) for _ in range(3)][-1] == [
+        "every completion scored 0.3 for 3 steps in a row: no reward spread, nothing to learn from; check the reward "
+        "function and the completions in samples.jsonl"]
