@@ -25,9 +25,11 @@ def test_a_dataset_run_on_cpu_takes_cpu_shapes_said_in_one_line(tmp_path):
     cfg = load_config(None, {"dataset": data, "device": "cpu"}, notes=notes)
     assert (cfg.batch_size, cfg.group_size, cfg.max_new_tokens, cfg.eval_n, cfg.eval_holdout) == (4, 4, 128, 16, 16)
     assert cfg.min_new_tokens == 1 and cfg.minibatch_size == 8  # other fields keep their defaults (8 divides 4 × 4)
+    assert (cfg.steps, cfg.lr, cfg.warmup_steps, cfg.eval_interval, cfg.save_interval) == (20, 2e-4, 3, 10, 10)
     assert notes == ["llmrl: CPU defaults for --dataset: batch_size 4, group_size 4, max_new_tokens 128, eval_n 16, "
-                     "eval_holdout 16 (configs/quickstart.yaml's 4 prompts × 4 completions, room for a worked "
-                     "answer); give --config or these flags to change"]
+                     "eval_holdout 16, steps 20, lr 0.0002, warmup_steps 3, eval_interval 10, save_interval 10 "
+                     "(configs/quickstart.yaml's 4 prompts × 4 completions with room for a worked answer, "
+                     "examples/gsm8k/cpu.yaml's schedule); give --config or these flags to change"]
 
 
 def test_flags_given_win_over_the_cpu_shapes_and_the_line_names_only_the_rest(tmp_path):
@@ -36,7 +38,7 @@ def test_flags_given_win_over_the_cpu_shapes_and_the_line_names_only_the_rest(tm
     cfg = load_config(None, {"dataset": data, "device": "cpu", "batch_size": "2", "max_new_tokens": "64",
                              "eval_holdout": "3"}, notes=notes)
     assert (cfg.batch_size, cfg.group_size, cfg.max_new_tokens, cfg.eval_n, cfg.eval_holdout) == (2, 4, 64, 16, 3)
-    assert len(notes) == 1 and notes[0].startswith("llmrl: CPU defaults for --dataset: group_size 4, eval_n 16 (")
+    assert len(notes) == 1 and notes[0].startswith("llmrl: CPU defaults for --dataset: group_size 4, eval_n 16, steps 20, ")
 
 
 def test_no_cpu_shapes_with_a_config_file_a_gpu_another_task_or_outside_train(tmp_path):
@@ -155,8 +157,8 @@ def test_a_cpu_dataset_run_says_its_shapes_its_holdout_and_its_grader_once(tmp_p
     lines = [line for line in p.stderr.splitlines() if line.startswith("llmrl:")]
     assert f"llmrl: dataset '{data}': 24 rows train, 6 held out for eval" in "\n".join(lines)
     assert [line for line in lines if "CPU defaults" in line] == [
-        "llmrl: CPU defaults for --dataset: eval_holdout 16 (configs/quickstart.yaml's 4 prompts × 4 completions, "
-        "room for a worked answer); give --config or these flags to change"]
+        "llmrl: CPU defaults for --dataset: eval_holdout 16 (configs/quickstart.yaml's 4 prompts × 4 completions "
+        "with room for a worked answer, examples/gsm8k/cpu.yaml's schedule); give --config or these flags to change"]
     hints = [line for line in lines if "grader found no answer" in line]  # the random tiny model writes no \boxed{}
     assert len(hints) == 1 and hints[0].startswith("llmrl: warning: eval at step 0: the math grader found no answer "
                                                    "(a \\boxed{}) in 2 of 2 completions, which score 0: e.g. ")

@@ -14,7 +14,7 @@ from llmrl.rollout.episodes import Limits
 from llmrl.tasks import make_task
 from llmrl.tasks.base import Example, Reward
 from llmrl.tasks.custom import load_object
-from llmrl.tasks.env import Environment, Episode, Turn
+from llmrl.tasks.env import Environment, Turn
 from llmrl.tasks.score import score_episodes
 from test_env import play, tiny_policy  # noqa: F401 - the fixture
 

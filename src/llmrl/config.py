@@ -671,8 +671,11 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 # A --dataset run on CPU without a config file: configs/quickstart.yaml's 4 prompts × 4 completions, with room for a
-# worked answer (the defaults are the seed's GPU shapes: 8 × 6 × 512 tokens took a 2-core CPU over 15 minutes a step)
-CPU_DATASET_SHAPES = {"batch_size": 4, "group_size": 4, "max_new_tokens": 128, "eval_n": 16, "eval_holdout": 16}
+# worked answer (the defaults are the seed's GPU shapes: 8 × 6 × 512 tokens took a 2-core CPU over 15 minutes a step),
+# and examples/gsm8k/cpu.yaml's schedule (the GPU's 1200 steps at lr 3e-5 after 100 warmup steps learn nothing in
+# the steps a CPU runs in an hour)
+CPU_DATASET_SHAPES = {"batch_size": 4, "group_size": 4, "max_new_tokens": 128, "eval_n": 16, "eval_holdout": 16,
+                      "steps": 20, "lr": 2e-4, "warmup_steps": 3, "eval_interval": 10, "save_interval": 10}
 
 
 def cpu_dataset_shapes(values: dict[str, Any], has_cuda: Any) -> dict[str, Any]:
@@ -689,7 +692,8 @@ def cpu_dataset_shapes(values: dict[str, Any], has_cuda: Any) -> dict[str, Any]:
 def cpu_shapes_line(filled: dict[str, Any]) -> str:
     """The one start-up line saying which CPU shapes a --dataset run took (cpu_dataset_shapes)."""
     return (f"llmrl: CPU defaults for --dataset: {', '.join(f'{k} {v}' for k, v in filled.items())} "
-            "(configs/quickstart.yaml's 4 prompts × 4 completions, room for a worked answer); give --config or these "
+            "(configs/quickstart.yaml's 4 prompts × 4 completions with room for a worked answer, examples/gsm8k/"
+            "cpu.yaml's schedule); give --config or these "
             "flags to change")
 
 

@@ -21,7 +21,7 @@ from llmrl.algorithms.core import completion_mask
 from llmrl.models.lora import merged_lora
 from llmrl.models.scoring import CACHE, inference_mode, position_ids, sampler_logprobs
 from llmrl.rollout.base import Reply, Sampling
-from llmrl.rollout.keyed import KeyedSampler, mix
+from llmrl.rollout.keyed import KeyedSampler
 from llmrl.rollout.prompts import eos_ids
 
 

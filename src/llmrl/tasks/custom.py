@@ -37,7 +37,7 @@ from typing import Any
 from llmrl.errors import ConfigError, DataError, EngineDied
 from llmrl.tasks.base import Example, Reward, SeededSampling
 from llmrl.tasks.env import is_environment
-from llmrl.tasks.workers import CallTimeout, UserCalls, user_calls
+from llmrl.tasks.workers import CallTimeout, UserCalls, tried_at_start, user_calls
 
 RewardFn = Callable[..., "float | None"]
 
@@ -254,18 +254,10 @@ def check_plain_function(fn: Callable, spec: str, task: FunctionTask, call: bool
         pass
     if not call:
         return
-    try:
-        value = task.fn(example.messages[-1]["content"], "", **example.meta)
-    except CallTimeout as e:
-        print(f"llmrl: warning: task={spec!r}: the reward function did not score an empty completion of the first "
-              f"prompt within user_code_timeout ({e}); each completion it overruns scores 0 (reward/errors)", file=sys.stderr)
+    ran, value = tried_at_start(lambda: task.fn(example.messages[-1]["content"], "", **example.meta),
+                                f"task={spec!r}: {shown}", "an empty completion of the first prompt", "completion")
+    if not ran:
         return
-    except EngineDied:
-        raise
-    except Exception as e:  # noqa: BLE001 - the user's function may raise anything
-        raise ConfigError(f"task={spec!r}: {shown} raised {type(e).__name__}: {str(e)[:200]} on the first prompt "
-                          "with an empty completion; a reward function must score any completion (return None for one it "
-                          "cannot score)") from None
     if not is_score(value):
         raise ConfigError(f"task={spec!r}: {shown} returned {repr(value)[:60]} (a {type(value).__name__}) for one "
                           f"completion; a plain reward function returns a float or None{trl}")

@@ -54,10 +54,10 @@ from pathlib import Path
 from typing import Any
 
 from llmrl import grading
-from llmrl.errors import ConfigError, DataError, EngineDied
+from llmrl.errors import ConfigError, DataError
 from llmrl.tasks import seed_parsing
 from llmrl.tasks.base import Example, Judgement, Reward, SeededSampling, mean_of
-from llmrl.tasks.workers import CallTimeout, check_stuck, user_calls
+from llmrl.tasks.workers import CallTimeout, check_stuck, tried_at_start, user_calls
 
 GRADERS = ("math", "number", "exact")
 PROMPT_FIELDS = ("prompt", "question", "problem", "input", "query")
@@ -673,18 +673,11 @@ class DatasetTask(SeededSampling):
                                   "completions, **kwargs) and read a column as kwargs['answer']")
             if environments:
                 continue
-            try:
-                values = user_calls(self).call(f"reward function {name}", fn, **kwargs)
-            except CallTimeout as e:
-                print(f"llmrl: warning: reward_funcs: {name} did not score 2 completions of the first training row "
-                      f"within user_code_timeout ({e}); each batch it overruns scores 0 (reward/errors)", file=sys.stderr)
+            ran, values = tried_at_start(lambda: user_calls(self).call(f"reward function {name}", fn, **kwargs),  # noqa: B023
+                                         f"reward_funcs: {name}", "the first training row with the completions "
+                                         f"{completions!r}", "batch")
+            if not ran:
                 continue
-            except EngineDied:
-                raise
-            except Exception as e:  # noqa: BLE001 - the user's function may raise anything
-                raise ConfigError(f"reward_funcs: {name} raised {type(e).__name__}: {str(e)[:200]} on the first "
-                                  f"training row with the completions {completions!r}; a reward function must score any "
-                                  "completion (return None for one it cannot score)") from None
             problem = values_problem(values, 2)
             if problem:
                 raise ConfigError(f"reward_funcs: {name} {problem}; it must return a list with a float or None for "

@@ -65,6 +65,7 @@ import time
 import types
 import weakref
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from llmrl.errors import ConfigError, EngineDied
@@ -822,3 +823,20 @@ class _CallPool:
 
 _CALL_POOL = _CallPool()
 atexit.register(_CALL_POOL.close)
+
+
+def tried_at_start(thunk: Callable[[], Any], who: str, on: str, unit: str) -> tuple[bool, Any]:
+    """A start-up check's one call into a user's reward function (`thunk`, bounded by user_code_timeout): (True, its
+    value); (False, None) after one warning line when it overran (each `unit` it overruns then scores 0); one
+    ConfigError line when it raised. `who` names the function, `on` what it was given."""
+    try:
+        return True, thunk()
+    except CallTimeout as e:
+        print(f"llmrl: warning: {who} did not score {on} within user_code_timeout ({e}); each {unit} it overruns "
+              "scores 0 (reward/errors)", file=sys.stderr)
+        return False, None
+    except EngineDied:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's function may raise anything
+        raise ConfigError(f"{who} raised {type(e).__name__}: {str(e)[:200]} on {on}; a reward function must score "
+                          "any completion (return None for one it cannot score)") from None
